@@ -1,0 +1,246 @@
+"""`edgespec` command line: argument parsing, output formats, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+from . import __version__
+from .errors import EdgespecError
+
+EXIT_INTERRUPTED = 130
+
+
+def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smollm2-135m-instruct") -> None:
+    g = p.add_argument_group("models and hardware")
+    g.add_argument("-m", "--model", default=default_model,
+                   help="target model: catalog name, name:q4_0|q4_1|q8_0|f16, or a .gguf path (default: %(default)s)")
+    g.add_argument("-md", "--model-draft", dest="draft", default=None, help="draft model with the same vocabulary")
+    g.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=4096, help="context size in tokens (default: %(default)s)")
+    g.add_argument("-t", "--threads", type=int, default=0, help="threads for the target (default: all cores, at most 8)")
+    g.add_argument("-td", "--threads-draft", type=int, default=0, help="threads for the draft model (default: as -t)")
+    g.add_argument("-ngl", "--n-gpu-layers", dest="ngl", type=int, default=0, help="target layers offloaded to the GPU (default: 0)")
+    g.add_argument("-ngld", "--n-gpu-layers-draft", dest="ngld", type=int, default=0, help="draft layers offloaded to the GPU (default: 0)")
+
+
+def _add_spec_args(p: argparse.ArgumentParser, default_spec: str = "auto") -> None:
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--spec", default=default_spec, choices=["none", "ngram", "lookahead", "draft", "auto"],
+                   help="drafting method (default: %(default)s: lookahead, then the draft model when -md is given)")
+    g.add_argument("--spec-draft-n-max", "--draft-max", dest="draft_n_max", type=int, default=16,
+                   help="most tokens the draft model drafts per step (default: %(default)s)")
+    g.add_argument("--spec-draft-n-min", "--draft-min", dest="draft_n_min", type=int, default=0,
+                   help="fewest draft-model tokens worth verifying; shorter drafts are dropped (default: %(default)s)")
+    g.add_argument("--spec-draft-p-min", dest="draft_p_min", type=float, default=0.0,
+                   help="stop drafting when the draft model's top probability falls below this (default: %(default)s: "
+                        "the cost model decides)")
+    g.add_argument("--lookahead-cache", default=None, metavar="PATH",
+                   help="load the lookahead trie from PATH and save its output branches back after the run")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (default: greedy)")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 is off (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling; 1 is off (default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p times the top one; 0 is off (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for a reproducible sampled run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="edgespec", description="Local LLM inference, faster through lossless speculative decoding.")
+    ap.add_argument("--version", action="version", version=f"edgespec {__version__}")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    r = sub.add_parser("run", help="generate a reply to one prompt", description="Generate a reply to one prompt.")
+    src = r.add_argument_group("prompt (one of; default: standard input)")
+    src.add_argument("-p", "--prompt", default=None, help="prompt text")
+    src.add_argument("-f", "--file", default=None, help="read the prompt from a file")
+    r.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=256, help="most tokens to generate (default: %(default)s)")
+    r.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    r.add_argument("--system", default=None, help="system message for the chat template")
+    r.add_argument("--json", action="store_true", help="print one JSON object {text, token_ids, stats} instead of streaming")
+    _add_model_args(r)
+    _add_spec_args(r)
+    _add_sampling_args(r)
+
+    pl = sub.add_parser("pull", help="fetch a catalog model (or variant) into the cache")
+    pl.add_argument("name", help="catalog name, optionally name:q4_0|q4_1|q8_0|f16")
+
+    sub.add_parser("models", help="list the catalog, what is cached, and sizes")
+
+    q = sub.add_parser("quantize", help="requantize a GGUF with llama.cpp's quantize API")
+    q.add_argument("src", help="source model (path or catalog name)")
+    q.add_argument("dst", help="output .gguf path")
+    q.add_argument("type", choices=["q4_0", "q4_1", "q8_0", "f16"], help="target type")
+
+    b = sub.add_parser("bench", help="measure methods side by side on a prompt suite")
+    b.add_argument("--methods", default="none,ngram,lookahead", help="comma-separated methods; `none` is always run (default: %(default)s)")
+    b.add_argument("--suite", default=None, help="prompt file (JSONL with id, category, messages or prompt, max_tokens); default: the built-in suite")
+    b.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    b.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=256, help="tokens per prompt (default: %(default)s)")
+    b.add_argument("--repeat", type=int, default=1, help="runs per prompt and method (default: %(default)s)")
+    b.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    b.add_argument("--out", default=None, help="folder for report.json")
+    _add_model_args(b)
+    g = b.add_argument_group("draft model")
+    g.add_argument("--spec-draft-n-max", "--draft-max", dest="draft_n_max", type=int, default=16)
+    g.add_argument("--spec-draft-n-min", "--draft-min", dest="draft_n_min", type=int, default=0)
+    g.add_argument("--spec-draft-p-min", dest="draft_p_min", type=float, default=0.0)
+    return ap
+
+
+def _engine_config(a):
+    from .runner import EngineConfig
+
+    return EngineConfig(
+        model=a.model, draft=a.draft, n_ctx=a.n_ctx, threads=a.threads, threads_draft=a.threads_draft,
+        n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngld, draft_n_max=a.draft_n_max, draft_n_min=a.draft_n_min,
+        draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None),
+    )
+
+
+def _read_prompt(a) -> str:
+    if a.prompt is not None and a.file is not None:
+        raise EdgespecError("give the prompt with -p or -f, not both")
+    if a.prompt is not None:
+        return a.prompt
+    if a.file is not None:
+        try:
+            with open(a.file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise EdgespecError(f"cannot read prompt file {a.file}: {e.strerror}") from None
+    if sys.stdin is None or sys.stdin.isatty():
+        raise EdgespecError("no prompt: pass -p TEXT, -f FILE, or pipe it on standard input")
+    return sys.stdin.read()
+
+
+def _validate(a) -> None:
+    if getattr(a, "n_predict", 1) < 1:
+        raise EdgespecError("-n must be at least 1")
+    if a.n_ctx < 16:
+        raise EdgespecError("-c must be at least 16")
+    if getattr(a, "temp", 0) < 0:
+        raise EdgespecError("--temp must be >= 0")
+    if a.draft_n_max < 0 or a.draft_n_min < 0 or a.draft_n_min > a.draft_n_max:
+        raise EdgespecError("draft lengths need 0 <= --spec-draft-n-min <= --spec-draft-n-max")
+    if getattr(a, "spec", None) == "draft" and not a.draft:
+        raise EdgespecError("--spec draft needs a draft model: pass -md MODEL")
+
+
+def cmd_run(a) -> int:
+    from .runner import Engine, TextStream
+    from .sampling import SamplingConfig
+
+    _validate(a)
+    text = _read_prompt(a)
+    if not text.strip():
+        raise EdgespecError("empty prompt")
+    engine = Engine(_engine_config(a), quiet=a.json)
+    if a.raw:
+        prompt = engine.prompt_tokens(text, raw=True)
+    else:
+        msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
+        prompt = engine.prompt_tokens(messages=msgs)
+    sampling = SamplingConfig(a.temp, a.top_k, a.top_p, a.min_p, a.seed)
+    drafter = engine.make_drafter(a.spec, a.seed)
+    gen = engine.generate(prompt, a.n_predict, sampling, drafter)
+    stream = TextStream(engine.target)
+    interrupted = False
+    try:
+        for ev in gen:
+            if not a.json:
+                sys.stdout.write(stream.feed(ev.tokens))
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        interrupted = True
+    st = gen.stats
+    if a.json:
+        out = {
+            "text": engine.target.detokenize(gen.tokens),
+            "token_ids": gen.tokens,
+            "stats": {"method": a.spec, "drafter": drafter.name, **st.to_dict(), "cost_ms": engine.cost.to_dict()},
+        }
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        sys.stdout.write(stream.flush() + "\n")
+        sys.stdout.flush()
+        print(f"[{a.spec}{' (' + drafter.name + ')' if drafter.name != a.spec else ''}] {st.summary()}"
+              f"{' - stopped' if interrupted else ''}", file=sys.stderr)
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def cmd_pull(a) -> int:
+    from .models import resolve
+
+    print(resolve(a.name))
+    return 0
+
+
+def cmd_models(a) -> int:
+    from .models import list_models, models_dir
+
+    rows = list_models()
+    print(f"cache: {models_dir()}  (set EDGESPEC_CACHE to move it)")
+    w = max(len(r["name"]) for r in rows)
+    for r in rows:
+        size = f"{r['size'] / 1e6:7.1f} MB" if r["size"] else "        ?"
+        state = "cached" if r["cached"] else "  -   "
+        print(f"{r['name']:<{w}}  {state}  {size}  {r['description']}")
+    return 0
+
+
+def cmd_quantize(a) -> int:
+    from pathlib import Path
+
+    from .llama import quantize
+    from .models import resolve
+
+    src = resolve(a.src)
+    dst = Path(a.dst)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    try:
+        quantize(src, tmp, a.type)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(dst)
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from .bench import run_bench
+
+    _validate(a)
+    return run_bench(a, _engine_config(a))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.cmd is None:
+        ap.print_help()
+        return 2
+    handlers = {"run": cmd_run, "pull": cmd_pull, "models": cmd_models, "quantize": cmd_quantize, "bench": cmd_bench}
+    try:
+        return handlers[a.cmd](a)
+    except EdgespecError as e:
+        print(f"edgespec: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("edgespec: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader went away (e.g. `| head`): not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL) if hasattr(signal, "SIGPIPE") else None
+    sys.exit(main())

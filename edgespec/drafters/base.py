@@ -1,0 +1,91 @@
+"""What every drafter shares: the interface, the per-step budget and confidence calibration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..costmodel import CostModel
+from ..draft import Draft
+from ..sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one step may spend: rows left in the batch/context, sequence ids for branches, and
+    the machine's verification cost curve to size the draft against."""
+
+    max_nodes: int
+    max_branches: int
+    fixed_rows: int  # pending tokens that the decode carries anyway (normally 1)
+    cost: CostModel
+    sampling: SamplingConfig
+
+
+class Drafter(Protocol):
+    name: str
+    needs_target_hidden: bool
+
+    def begin(self, prompt: list[int]) -> None:
+        """A new generation starts after `prompt`."""
+
+    def propose(self, context: list[int], budget: Budget) -> Draft:
+        """Tokens that may follow `context` (all committed tokens). Empty: a plain step."""
+
+    def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
+        """The target kept draft nodes `accepted` (a path) and committed `committed` tokens."""
+
+    def end(self) -> None:
+        """The generation is over (finished, stopped or failed)."""
+
+
+class Calibration:
+    """Per-depth correction of a drafter's own confidence, learned from what the target accepts.
+
+    For every draft node the target reached (its parent was accepted) we compare the drafter's
+    conditional estimate with the outcome; the factor is the decayed ratio of the two.
+    """
+
+    def __init__(self, prior: float = 1.0, weight: float = 2.0, decay: float = 0.995, depth: int = 64):
+        self.est = np.full(depth, weight, dtype=np.float64)
+        self.acc = np.full(depth, weight * prior, dtype=np.float64)
+        self.decay = decay
+
+    def factor(self, depth: int) -> float:
+        d = min(depth, len(self.est)) - 1
+        return float(self.acc[d] / self.est[d])
+
+    def update(self, draft: Draft, accepted: list[int]) -> None:
+        if not draft.tokens or draft.est is None:
+            return
+        reached_parents = {-1, *accepted}
+        acc = set(accepted)
+        depths = draft.depths()
+        self.est *= self.decay
+        self.acc *= self.decay
+        for i, p in enumerate(draft.parents):
+            if p in reached_parents:
+                d = min(depths[i], len(self.est)) - 1
+                self.est[d] += draft.est[i]
+                self.acc[d] += 1.0 if i in acc else 0.0
+
+
+class NullDrafter:
+    """Plain decoding through the same loop: every step verifies one token."""
+
+    name = "none"
+    needs_target_hidden = False
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, context: list[int], budget: Budget) -> Draft:
+        return Draft()
+
+    def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
+        pass
+
+    def end(self) -> None:
+        pass

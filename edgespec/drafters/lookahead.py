@@ -1,0 +1,101 @@
+"""Draft-free Lookahead (Zhao et al., KDD 2024): multi-branch drafts from a token trie.
+
+The trie holds n-gram branches of the prompt and of everything generated; each step matches the
+longest suffix of the context and proposes a tree of the most frequent continuations, sized by
+the machine's verification cost curve. With `cache_path` the trie lives across runs: prompt
+branches are released when a request ends, output branches are saved.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..draft import Draft
+from ..trie import OUTPUT, PROMPT, TokenTrie
+from .base import Budget, Calibration
+
+
+class LookaheadDrafter:
+    name = "lookahead"
+    needs_target_hidden = False
+
+    def __init__(
+        self,
+        window: int = 16,
+        max_match: int = 8,
+        max_nodes: int = 32,
+        max_branches: int = 8,
+        cache_path: str | Path | None = None,
+        trie: TokenTrie | None = None,
+    ):
+        self.cache_path = Path(cache_path) if cache_path else None
+        if trie is None and self.cache_path and self.cache_path.exists():
+            try:
+                trie = TokenTrie.load(self.cache_path)
+            except (OSError, ValueError, KeyError) as e:
+                print(f"edgespec: ignoring unreadable lookahead cache {self.cache_path}: {e}", file=sys.stderr)
+        self.trie = trie or TokenTrie(window=window)
+        self.max_match = max_match
+        self.max_nodes = max_nodes
+        self.max_branches = max_branches
+        # calibration per matched suffix length: long matches earn trust faster
+        self.calib = {s: Calibration(prior=1.0) for s in range(1, max_match + 1)}
+        self._skipped = 0
+        self._s = 1
+        self.last_branches = 0
+
+    def begin(self, prompt: list[int]) -> None:
+        self.trie.start_request()
+        self.trie.extend(prompt, PROMPT)
+        self._n_prompt = len(prompt)
+
+    def propose(self, context: list[int], budget: Budget) -> Draft:
+        self.trie.extend(context, OUTPUT)
+        node, s = self.trie.match(context, self.max_match)
+        limit = min(self.max_nodes, budget.max_nodes)
+        if node is None or limit <= 0:
+            return Draft()
+        cal = self.calib[s]
+        cands = self.trie.candidates(node, limit, min(self.max_branches, budget.max_branches), cal.factor)
+        size = budget.cost.best_size([c.path for c in cands], budget.fixed_rows)
+        if size == 0:
+            # Not paying now; probe with the best token now and then so estimates can recover.
+            self._skipped += 1
+            if self._skipped < 16 or not cands:
+                return Draft()
+            size = 1
+        self._skipped = 0
+        self._s = s
+        return _as_tree(cands[:size], self.name)
+
+    def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
+        if draft.tokens:
+            self.calib[self._s].update(draft, accepted)
+
+    def end(self) -> None:
+        self.trie.release_prompt()
+        if self.cache_path:
+            try:
+                self.trie.save(self.cache_path)
+            except OSError as e:
+                print(f"edgespec: cannot save lookahead cache {self.cache_path}: {e.strerror}", file=sys.stderr)
+
+
+def _as_tree(cands, source: str) -> Draft:
+    """Candidates (parents first) -> a preorder Draft whose first path is the likeliest branch,
+    so that the common case keeps its cells contiguous in the KV cache."""
+    kids: dict[int, list[int]] = {}
+    for i, c in enumerate(cands):
+        kids.setdefault(c.parent, []).append(i)
+    tokens, parents, est = [], [], []
+    stack = [(i, -1) for i in sorted(kids.get(-1, []), key=lambda i: cands[i].path)]
+    while stack:
+        i, new_parent = stack.pop()
+        idx = len(tokens)
+        tokens.append(cands[i].token)
+        parents.append(new_parent)
+        est.append(cands[i].cond)
+        for j in sorted(kids.get(i, []), key=lambda j: cands[j].path):
+            stack.append((j, idx))
+    return Draft(tokens, parents, None, source, est)

@@ -1,0 +1,108 @@
+"""Step events and the stats they add up to. Data only: printing is the reader's job.
+
+Names follow llama.cpp (`n_drafted`, `n_accept`) and vLLM (`mean_accepted_length`) where they
+differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One target verification step."""
+
+    step: int
+    n_drafted: int  # draft nodes scored in this step (all branches)
+    n_accept: int  # draft tokens accepted
+    n_branches: int
+    tokens: tuple[int, ...]  # tokens committed by this step (accepted drafts, then the target's own)
+    from_draft: tuple[bool, ...]  # per committed token: did it come from an accepted draft?
+    t_draft: float  # seconds
+    t_verify: float
+    drafter: str = ""
+    accepted_depth: tuple[int, ...] = ()  # depth of each accepted node (1-based)
+    drafted_depth: tuple[int, ...] = ()  # number of draft nodes at each depth 1..
+
+
+@dataclass
+class Stats:
+    n_prompt: int = 0
+    t_prompt: float = 0.0
+    n_generated: int = 0
+    n_steps: int = 0  # target verification steps (one llama_decode each)
+    n_drafted: int = 0
+    n_accept: int = 0
+    n_draft_steps: int = 0  # steps that carried a non-empty draft
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    t_gen: float = 0.0  # wall time of generation (after the prompt)
+    n_branches: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # per draft position (depth)
+    accepted_at: list[int] = field(default_factory=list)
+    accepted_len_hist: list[int] = field(default_factory=list)  # steps by tokens committed
+    finish_reason: str = ""
+
+    def add(self, ev: StepEvent) -> None:
+        self.n_steps += 1
+        self.n_generated += len(ev.tokens)
+        self.n_drafted += ev.n_drafted
+        self.n_accept += ev.n_accept
+        self.t_draft += ev.t_draft
+        self.t_verify += ev.t_verify
+        if ev.n_drafted:
+            self.n_draft_steps += 1
+            self.n_branches += ev.n_branches
+        for d, cnt in enumerate(ev.drafted_depth):
+            _bump(self.drafted_at, d, cnt)
+        for d in ev.accepted_depth:
+            _bump(self.accepted_at, d - 1, 1)
+        _bump(self.accepted_len_hist, len(ev.tokens), 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accept / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.n_generated / self.n_steps if self.n_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_generated / self.t_gen if self.t_gen > 0 else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at + [0] * len(self.drafted_at), self.drafted_at)]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            acceptance_rate=round(self.acceptance_rate, 4),
+            mean_accepted_length=round(self.mean_accepted_length, 4),
+            tokens_per_s=round(self.tokens_per_s, 2),
+            prompt_tokens_per_s=round(self.n_prompt / self.t_prompt, 2) if self.t_prompt > 0 else 0.0,
+            acceptance_by_position=[round(x, 4) for x in self.acceptance_by_position],
+            mean_branches=round(self.n_branches / self.n_draft_steps, 3) if self.n_draft_steps else 0.0,
+        )
+        return d
+
+    def summary(self) -> str:
+        s = (
+            f"{self.n_generated} tokens in {self.t_gen:.2f}s ({self.tokens_per_s:.1f} tok/s), "
+            f"prompt {self.n_prompt} tokens in {self.t_prompt:.2f}s"
+        )
+        if self.n_drafted:
+            s += (
+                f"; drafted {self.n_drafted}, accepted {self.n_accept} "
+                f"({100 * self.acceptance_rate:.1f}%), mean accepted length {self.mean_accepted_length:.2f}, "
+                f"{self.n_steps} steps"
+            )
+        return s
+
+
+def _bump(xs: list[int], i: int, by: int) -> None:
+    while len(xs) <= i:
+        xs.append(0)
+    xs[i] += by

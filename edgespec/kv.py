@@ -1,0 +1,149 @@
+"""The one place that moves KV positions: token count and KV position change together.
+
+`KVSeq.tokens[i]` sits at position i of sequence 0. Tokens that are committed but not yet in the
+cache (the last sampled token, or verified tree tokens that must be re-laid) are `pending`: the
+next decode carries them first. Tree branches borrow sequence ids 1..B-1 for one decode only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .draft import Draft
+from .errors import ContextFullError, EdgespecError
+from .llama import Context
+
+
+@dataclass
+class TreeLayout:
+    """Row bookkeeping of one tree decode."""
+
+    n_pending: int
+    base: int  # KV length before the decode
+    in_seq0: list[bool]  # per draft node: does it lie on branch 0 (the first path)?
+    n_branches: int
+
+    def row(self, node: int) -> int:
+        """Output row of a draft node; node -1 is the root (the last pending token)."""
+        return self.n_pending + node
+
+
+class KVSeq:
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.tokens: list[int] = []
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    def room(self) -> int:
+        return self.ctx.n_ctx - len(self.tokens)
+
+    def reset(self) -> None:
+        self.ctx.mem_clear()
+        self.tokens = []
+
+    def truncate(self, n: int) -> None:
+        if n >= len(self.tokens):
+            return
+        if not self.ctx.mem_seq_rm(0, n, -1):
+            # A cache that cannot drop a tail (recurrent state) starts again from empty.
+            keep = self.tokens[:n]
+            self.reset()
+            self.extend(keep, want_logits=False)
+            return
+        del self.tokens[n:]
+
+    def common_prefix(self, tokens: list[int]) -> int:
+        """Length of the longest common prefix of the cache and `tokens` (slice compares run in C)."""
+        mine = self.tokens
+        lo, hi = 0, min(len(tokens), len(mine))
+        if mine[:hi] == tokens[:hi]:
+            return hi
+        hi -= 1  # the answer is the largest matching length in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if mine[:mid] == tokens[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def extend(self, new: list[int], want_logits: bool = True) -> int | None:
+        """Decode `new` after the cache in chunks; return the output row of the last token."""
+        if len(self.tokens) + len(new) > self.ctx.n_ctx:
+            raise ContextFullError(
+                f"{len(self.tokens) + len(new)} tokens do not fit in a context of {self.ctx.n_ctx} (raise -c)"
+            )
+        step = self.ctx.n_batch
+        for s in range(0, len(new), step):
+            chunk = new[s : s + step]
+            last = s + step >= len(new)
+            base = len(self.tokens)
+            outputs = [False] * len(chunk)
+            if last and want_logits:
+                outputs[-1] = True
+            self.ctx.decode(chunk, list(range(base, base + len(chunk))), None, outputs)
+            self.tokens.extend(chunk)
+        return len(new[(len(new) - 1) // step * step :]) - 1 if (want_logits and new) else None
+
+    def decode_tree(self, pending: list[int], draft: Draft) -> TreeLayout:
+        """Score pending tokens plus a draft tree in ONE decode.
+
+        Every leaf is a branch with its own sequence id (leaf 0 keeps id 0); a node carries the ids
+        of all branches through it, and llama.cpp masks each row to the cells of its first id, so
+        each token attends to the prompt, the pending tokens and its own ancestors only.
+        """
+        if not pending:
+            raise EdgespecError("internal: a decode needs at least one pending token")
+        n_nodes = len(draft.tokens)
+        base = len(self.tokens)
+        if base + len(pending) + n_nodes > self.ctx.n_ctx:
+            raise ContextFullError(f"context full ({self.ctx.n_ctx} tokens)")
+        leaves = draft.leaves() if n_nodes else []
+        n_br = max(1, len(leaves))
+        if n_br > self.ctx.cfg.n_seq_max:
+            raise EdgespecError(f"internal: {n_br} branches exceed n_seq_max={self.ctx.cfg.n_seq_max}")
+        node_ids: list[list[int]] = [[] for _ in range(n_nodes)]
+        for b, leaf in enumerate(leaves):
+            node = leaf
+            while node >= 0:
+                node_ids[node].append(b)
+                node = draft.parents[node]
+        all_ids = tuple(range(n_br))
+        for b in range(1, n_br):
+            self.ctx.mem_seq_cp(0, b, -1, -1)
+        depths = draft.depths()
+        root_pos = base + len(pending) - 1
+        tokens = list(pending) + list(draft.tokens)
+        positions = list(range(base, base + len(pending))) + [root_pos + d for d in depths]
+        seq_ids = [all_ids] * len(pending) + [tuple(ids) for ids in node_ids]
+        outputs = [False] * (len(pending) - 1) + [True] * (1 + n_nodes)
+        try:
+            self.ctx.decode(tokens, positions, None if n_br == 1 else seq_ids, outputs)
+        except Exception:
+            for b in range(1, n_br):
+                self.ctx.mem_seq_rm(b, -1, -1)
+            raise
+        return TreeLayout(len(pending), base, [0 in ids for ids in node_ids], n_br)
+
+    def commit_tree(self, layout: TreeLayout, pending: list[int], draft: Draft, accepted: list[int]) -> list[int]:
+        """Keep pending tokens and the accepted path; return the tokens that are committed but
+        not in the cache (to be carried by the next decode, before the new draft).
+
+        Accepted nodes on branch 0 sit in consecutive cells right after the pending tokens and
+        are kept. Accepted nodes of another branch are dropped from the cache and re-laid next
+        step: keeping them would leave holes, and cells out of position order change the
+        floating-point summation order of attention, which breaks bit-exact equality.
+        """
+        for b in range(1, layout.n_branches):
+            self.ctx.mem_seq_rm(b, -1, -1)
+        j = 0
+        while j < len(accepted) and layout.in_seq0[accepted[j]]:
+            j += 1
+        keep = layout.base + layout.n_pending + j
+        self.ctx.mem_seq_rm(0, keep, -1)
+        self.tokens.extend(pending)
+        self.tokens.extend(draft.tokens[a] for a in accepted[:j])
+        return [draft.tokens[a] for a in accepted[j:]]

@@ -1,0 +1,309 @@
+"""A thin layer over llama-cpp-python's low-level C API: models, contexts, batches, logits.
+
+Nothing here decides what to draft or accept. Only `kv.KVSeq` calls the memory (KV cache)
+operations defined at the bottom of `Context`.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ContextFullError, EdgespecError, ModelError
+
+import llama_cpp as lc  # noqa: E402  (imports after our own modules on purpose: it prints nothing)
+
+_LOG: collections.deque[str] = collections.deque(maxlen=64)
+_init_lock = threading.Lock()
+_initialized = False
+
+
+@lc.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # llama.cpp is chatty on stderr; keep its lines for error messages and show them on request.
+    line = text.decode("utf-8", "replace")
+    _LOG.append(line)
+    if os.environ.get("EDGESPEC_VERBOSE"):
+        sys.stderr.write(line)
+
+
+def backend_init() -> None:
+    global _initialized
+    with _init_lock:
+        if _initialized:
+            return
+        lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _initialized = True
+
+
+def last_log_error() -> str:
+    """The most recent llama.cpp log line that looks like an error, for user-facing messages."""
+    for line in reversed(_LOG):
+        s = line.strip()
+        if s and ("error" in s.lower() or "failed" in s.lower() or "invalid" in s.lower()):
+            return s
+    return ""
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_file(path: str | os.PathLike) -> Path:
+    """Fail with one clear line if `path` is not a readable GGUF file."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelError(f"model file not found: {p}")
+    if p.is_dir():
+        raise ModelError(f"model path is a directory, not a .gguf file: {p}")
+    try:
+        with p.open("rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {p}: {e.strerror}") from None
+    if head != GGUF_MAGIC:
+        raise ModelError(f"not a GGUF file (bad magic {head!r}): {p}")
+    return p
+
+
+class Model:
+    """A loaded GGUF model and its vocabulary."""
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0):
+        backend_init()
+        self.path = check_gguf_file(path)
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = int(n_gpu_layers)
+        _LOG.clear()
+        ptr = lc.llama_model_load_from_file(str(self.path).encode(), params)
+        if not ptr:
+            detail = last_log_error() or "llama.cpp could not load it"
+            raise ModelError(f"cannot load model {self.path} (truncated or corrupt?): {detail}")
+        self.ptr = ptr
+        self.vocab = lc.llama_model_get_vocab(ptr)
+        self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
+        self.n_ctx_train = int(lc.llama_model_n_ctx_train(ptr))
+        self.n_layer = int(lc.llama_model_n_layer(ptr))
+        self.bos = int(lc.llama_vocab_bos(self.vocab))
+        self.eos = int(lc.llama_vocab_eos(self.vocab))
+        self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        self.vocab_type = int(lc.llama_vocab_type(self.vocab))
+        self._eog: dict[int, bool] = {}
+        self._pieces: dict[int, bytes] = {}
+        buf = ctypes.create_string_buffer(256)
+        n = lc.llama_model_desc(ptr, buf, 256)
+        self.desc = buf.value[: max(n, 0)].decode("utf-8", "replace")
+
+    # -- metadata -------------------------------------------------------------------------
+
+    def meta(self, key: str) -> str | None:
+        size = 1 << 16
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = lc.llama_model_meta_val_str(self.ptr, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.raw[:n].decode("utf-8", "replace")
+            size = n + 1
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.meta("tokenizer.chat_template")
+
+    @property
+    def arch(self) -> str:
+        return self.meta("general.architecture") or "?"
+
+    # -- vocabulary -----------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        arr = (lc.llama_token * n_max)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), arr, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            arr = (lc.llama_token * n_max)()
+            n = lc.llama_tokenize(self.vocab, data, len(data), arr, n_max, add_special, parse_special)
+        return list(arr[:n])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        key = token if not special else -1 - token
+        cached = self._pieces.get(key)
+        if cached is not None:
+            return cached
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+        out = buf.raw[:n]
+        self._pieces[key] = out
+        return out
+
+    def detokenize(self, tokens: list[int], special: bool = False) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")
+
+    def token_text(self, token: int) -> str:
+        raw = lc.llama_vocab_get_text(self.vocab, token)
+        return raw.decode("utf-8", "replace") if raw else ""
+
+    def is_eog(self, token: int) -> bool:
+        v = self._eog.get(token)
+        if v is None:
+            v = self._eog[token] = bool(lc.llama_vocab_is_eog(self.vocab, token))
+        return v
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            lc.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int = 0  # 0: all cores
+    n_seq_max: int = 16  # tree drafts use one sequence id per branch
+
+
+def default_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+class Context:
+    """One llama.cpp context with one reusable batch. Used by one thread at a time."""
+
+    def __init__(self, model: Model, cfg: ContextConfig):
+        self.model = model
+        self.cfg = cfg
+        p = lc.llama_context_default_params()
+        n_ctx = min(cfg.n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else cfg.n_ctx
+        p.n_ctx = n_ctx
+        p.n_batch = cfg.n_batch
+        p.n_ubatch = cfg.n_batch
+        p.n_seq_max = cfg.n_seq_max
+        threads = cfg.n_threads or default_threads()
+        p.n_threads = threads
+        p.n_threads_batch = threads
+        p.no_perf = True
+        # Rollback needs the whole sliding-window cache (Gemma 3): a pruned window cannot be undone.
+        p.swa_full = True
+        # Tree branches share the prompt's cells; one unified cache makes that a metadata copy.
+        p.kv_unified = True
+        ctx = lc.llama_init_from_model(model.ptr, p)
+        if not ctx:
+            raise ModelError(f"cannot create a llama.cpp context for {model.path}: {last_log_error()}")
+        self.ptr = ctx
+        self.n_ctx = int(lc.llama_n_ctx(ctx))
+        self.n_batch = int(lc.llama_n_batch(ctx))  # llama.cpp clamps it to the context size
+        self.n_threads = threads
+        self.mem = lc.llama_get_memory(ctx)
+        self._batch = lc.llama_batch_init(self.n_batch, 0, cfg.n_seq_max)
+        self._n_vocab = model.n_vocab
+
+    def set_threads(self, n: int) -> None:
+        lc.llama_set_n_threads(self.ptr, n, n)
+        self.n_threads = n
+
+    def decode(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        seq_ids: list[tuple[int, ...]] | None,
+        outputs: list[bool],
+    ) -> None:
+        """One llama_decode. `seq_ids=None` puts every row in sequence 0."""
+        n = len(tokens)
+        if n == 0:
+            return
+        if n > self.n_batch:
+            raise ValueError(f"batch of {n} rows exceeds n_batch={self.n_batch}")
+        b = self._batch
+        b.n_tokens = n
+        tok, pos, nseq, sid, lg = b.token, b.pos, b.n_seq_id, b.seq_id, b.logits
+        for i in range(n):
+            tok[i] = tokens[i]
+            pos[i] = positions[i]
+            lg[i] = outputs[i]
+            if seq_ids is None:
+                nseq[i] = 1
+                sid[i][0] = 0
+            else:
+                ids = seq_ids[i]
+                nseq[i] = len(ids)
+                row = sid[i]
+                for j, s in enumerate(ids):
+                    row[j] = s
+        rc = lc.llama_decode(self.ptr, b)
+        if rc == 1:
+            raise ContextFullError(
+                f"context full: no room for {n} more tokens in a context of {self.n_ctx} (raise -c)"
+            )
+        if rc != 0:
+            raise EdgespecError(f"llama_decode failed with code {rc}: {last_log_error()}")
+
+    def logits(self, i: int) -> np.ndarray:
+        """A view of the logits of output row `i` of the last decode (valid until the next one)."""
+        ptr = lc.llama_get_logits_ith(self.ptr, i)
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    # -- memory: called only by kv.KVSeq -------------------------------------------------
+
+    def mem_seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        return bool(lc.llama_memory_seq_rm(self.mem, seq, p0, p1))
+
+    def mem_seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        lc.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def mem_seq_pos_max(self, seq: int) -> int:
+        return int(lc.llama_memory_seq_pos_max(self.mem, seq))
+
+    def mem_clear(self) -> None:
+        lc.llama_memory_clear(self.mem, True)
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+QUANT_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "f16": 1}
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, threads: int = 0) -> None:
+    """Write `dst` as `src` requantized to `qtype` (llama.cpp's quantize API)."""
+    backend_init()
+    if qtype not in QUANT_TYPES:
+        raise EdgespecError(f"unknown quantization {qtype!r}; choose one of {', '.join(QUANT_TYPES)}")
+    check_gguf_file(src)
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = QUANT_TYPES[qtype]
+    params.nthread = threads or default_threads()
+    params.allow_requantize = True
+    _LOG.clear()
+    rc = lc.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise ModelError(f"quantize {src} -> {qtype} failed: {last_log_error()}")

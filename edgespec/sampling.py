@@ -1,0 +1,64 @@
+"""Sampling settings and the warp from logits to a distribution.
+
+The same warp is applied to target and draft logits, so rejection sampling compares the two
+distributions a user actually asked for. Order as llama.cpp's default chain: top-k, top-p, min-p
+on the untempered distribution, then temperature over what survives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temp: float = 0.0  # <= 0: greedy
+    top_k: int = 40  # <= 0: off
+    top_p: float = 0.95  # >= 1: off
+    min_p: float = 0.05  # <= 0: off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp <= 0.0
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    z = x - x.max()
+    e = np.exp(z, dtype=np.float64)
+    return e / e.sum()
+
+
+def warp(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
+    """Full-vocabulary probabilities (float64) after top-k / top-p / min-p / temperature."""
+    x = np.asarray(logits, dtype=np.float64)
+    n = x.shape[0]
+    if cfg.top_k > 0 and cfg.top_k < n:
+        idx = np.argpartition(-x, cfg.top_k - 1)[: cfg.top_k]
+    else:
+        idx = np.arange(n)
+    sub = x[idx]
+    order = np.argsort(-sub, kind="stable")
+    idx, sub = idx[order], sub[order]
+    p = softmax(sub)
+    keep = len(p)
+    if cfg.top_p < 1.0:
+        c = np.cumsum(p)
+        keep = min(keep, int(np.searchsorted(c, cfg.top_p, side="left")) + 1)
+    if cfg.min_p > 0.0:
+        keep = min(keep, max(1, int(np.count_nonzero(p >= cfg.min_p * p[0]))))
+    idx, sub = idx[:keep], sub[:keep]
+    out = np.zeros(n, dtype=np.float64)
+    out[idx] = softmax(sub / max(cfg.temp, 1e-6))
+    return out
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one index from a (possibly unnormalized) non-negative vector."""
+    c = np.cumsum(p)
+    total = c[-1]
+    if total <= 0:
+        return int(np.argmax(p))
+    return int(min(np.searchsorted(c, rng.random() * total, side="right"), len(p) - 1))

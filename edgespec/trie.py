@@ -1,0 +1,270 @@
+"""A prefix trie of token n-grams for draft-free Lookahead drafting. Pure Python, no llama.cpp.
+
+Every position of the prompt and of the output starts a branch of up to `window` tokens. Each
+node counts how often its path was seen, prompt and output apart, so a finished request's prompt
+branches can be released while output branches stay for later requests. Retrieval matches the
+longest suffix of the context and returns several branches, best first, within a token budget.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+PROMPT, OUTPUT = 0, 1
+_FORMAT = 1
+
+
+class TrieNode:
+    __slots__ = ("children", "fp", "fo")
+
+    def __init__(self) -> None:
+        self.children: dict[int, TrieNode] = {}
+        self.fp = 0  # times seen in prompts
+        self.fo = 0  # times seen in outputs
+
+    @property
+    def count(self) -> int:
+        return self.fp + self.fo
+
+
+@dataclass(frozen=True)
+class Candidate:
+    token: int
+    parent: int  # index into the candidate list, -1 for the match point
+    depth: int
+    cond: float  # estimated chance of acceptance given the parent was accepted
+    path: float  # estimated chance that the whole path to this node is accepted
+
+
+class TokenTrie:
+    def __init__(self, window: int = 16, capacity: int = 500_000, alpha: float = 0.5):
+        self.window = window
+        self.capacity = capacity
+        self.alpha = alpha  # smoothing: one sighting is not certainty
+        self.root = TrieNode()
+        self.n_nodes = 0
+        self.start_request()
+
+    # -- insertion ------------------------------------------------------------------------
+
+    def start_request(self) -> None:
+        """Forget the insertion cursor of the previous request (its counts stay)."""
+        self._done = 0  # every window starting before this is complete
+        self._partial: dict[int, int] = {}  # start -> length inserted so far (tail windows)
+
+    def extend(self, tokens: list[int], source: int) -> None:
+        """Insert the windows of `tokens` not inserted yet (call as the sequence grows)."""
+        n, w = len(tokens), self.window
+        i = self._done
+        while i < n:
+            length = min(w, n - i)
+            have = self._partial.get(i, 0)
+            if length > have:
+                self._insert(tokens, i, length, have, source)
+            if length == w:
+                self._partial.pop(i, None)
+                if i == self._done:
+                    self._done = i + 1
+            else:
+                self._partial[i] = length
+            i += 1
+        if self.n_nodes > self.capacity:
+            self.prune(int(self.capacity * 0.8))
+
+    def _insert(self, tokens: list[int], start: int, length: int, skip: int, source: int) -> None:
+        node = self.root
+        for d in range(length):
+            t = tokens[start + d]
+            child = node.children.get(t)
+            if child is None:
+                child = node.children[t] = TrieNode()
+                self.n_nodes += 1
+            if d >= skip:  # the first `skip` nodes were counted when this window was shorter
+                if source == PROMPT:
+                    child.fp += 1
+                else:
+                    child.fo += 1
+            node = child
+
+    def insert(self, seq: list[int], source: int = OUTPUT) -> None:
+        """Insert one branch (counts every node on its path once)."""
+        self._insert(seq, 0, min(len(seq), self.window), 0, source)
+
+    # -- retrieval ------------------------------------------------------------------------
+
+    def walk(self, seq: list[int]) -> TrieNode | None:
+        node = self.root
+        for t in seq:
+            node = node.children.get(t)
+            if node is None:
+                return None
+        return node
+
+    def match(self, context: list[int], max_match: int) -> tuple[TrieNode | None, int]:
+        """The node reached by the longest suffix of `context` (up to `max_match`) that has a
+        continuation, and that suffix's length."""
+        for s in range(min(max_match, len(context), self.window - 1), 0, -1):
+            node = self.walk(context[-s:])
+            if node is not None and node.children:
+                return node, s
+        return None, 0
+
+    def candidates(
+        self,
+        node: TrieNode,
+        max_nodes: int,
+        max_branches: int,
+        calib: Callable[[int], float] | None = None,
+        min_path: float = 1e-3,
+    ) -> list[Candidate]:
+        """Best-first expansion below `node`: candidates in order of non-increasing path chance.
+
+        Any prefix of the result is a valid tree (a parent precedes its children) with at most
+        `max_branches` leaves. A child's conditional chance is its share of its siblings'
+        counts, smoothed, times the per-depth calibration `calib(depth)`.
+        """
+        out: list[Candidate] = []
+        heap: list[tuple[float, int, TrieNode, int, int, float, int]] = []
+        tick = 0
+
+        def push(parent_node: TrieNode, parent_idx: int, depth: int, parent_path: float) -> None:
+            nonlocal tick
+            kids = parent_node.children
+            if not kids:
+                return
+            total = sum(c.count for c in kids.values()) + self.alpha
+            f = calib(depth) if calib else 1.0
+            for tok, child in kids.items():
+                cond = min(1.0, f * child.count / total)
+                path = min(parent_path, parent_path * cond)
+                if path >= min_path:
+                    heapq.heappush(heap, (-path, tick, child, parent_idx, depth, cond, tok))
+                    tick += 1
+
+        push(node, -1, 1, 1.0)
+        n_children = [0]  # for the match point (-1) and then per candidate, shifted by one
+        leaves = 0
+        while heap and len(out) < max_nodes:
+            negp, _, child, parent_idx, depth, cond, tok = heapq.heappop(heap)
+            siblings = n_children[parent_idx + 1]
+            # a new child of a node that already has one opens a new branch
+            new_leaf = siblings > 0 or parent_idx == -1
+            if new_leaf and leaves >= max_branches:
+                continue
+            if new_leaf:
+                leaves += 1
+            n_children[parent_idx + 1] += 1
+            out.append(Candidate(tok, parent_idx, depth, cond, -negp))
+            n_children.append(0)
+            push(child, len(out) - 1, depth + 1, -negp)
+        return out
+
+    # -- maintenance ----------------------------------------------------------------------
+
+    def release_prompt(self) -> None:
+        """Drop what only prompts put in the trie; output branches stay."""
+
+        def visit(node: TrieNode) -> int:
+            removed = 0
+            for tok in list(node.children):
+                child = node.children[tok]
+                child.fp = 0
+                if child.fo == 0:
+                    removed += 1 + _size(child)
+                    del node.children[tok]
+                else:
+                    removed += visit(child)
+            return removed
+
+        self.n_nodes -= visit(self.root)
+
+    def prune(self, target: int) -> None:
+        """Remove the least frequent branches until at most `target` nodes remain.
+
+        Counts never grow from parent to child, so dropping every node under a count threshold
+        drops whole subtrees and leaves a consistent trie.
+        """
+        counts: list[int] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                counts.append(child.count)
+                stack.append(child)
+        if len(counts) <= target:
+            return
+        counts.sort()
+        threshold = counts[len(counts) - target - 1]
+
+        def visit(node: TrieNode) -> int:
+            removed = 0
+            for tok in list(node.children):
+                child = node.children[tok]
+                if child.count <= threshold:
+                    removed += 1 + _size(child)
+                    del node.children[tok]
+                else:
+                    removed += visit(child)
+            return removed
+
+        self.n_nodes -= visit(self.root)
+
+    # -- persistence ----------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Preorder arrays (depth, token, prompt count, output count) in one .npz, atomically."""
+        depth, token, fp, fo = [], [], [], []
+        stack: list[tuple[int, TrieNode, int]] = [(t, c, 1) for t, c in sorted(self.root.children.items(), reverse=True)]
+        while stack:
+            tok, node, d = stack.pop()
+            depth.append(d)
+            token.append(tok)
+            fp.append(node.fp)
+            fo.append(node.fo)
+            stack.extend((t, c, d + 1) for t, c in sorted(node.children.items(), reverse=True))
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}.npz")
+        np.savez_compressed(
+            tmp,
+            meta=np.array([_FORMAT, self.window], dtype=np.int64),
+            depth=np.array(depth, dtype=np.int32),
+            token=np.array(token, dtype=np.int32),
+            fp=np.array(fp, dtype=np.int64),
+            fo=np.array(fo, dtype=np.int64),
+        )
+        os.replace(tmp, p)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, capacity: int = 500_000) -> "TokenTrie":
+        with np.load(path, allow_pickle=False) as z:
+            fmt, window = (int(x) for x in z["meta"])
+            if fmt != _FORMAT:
+                raise ValueError(f"unsupported trie format {fmt}")
+            depth, token, fp, fo = (z[k].tolist() for k in ("depth", "token", "fp", "fo"))
+        trie = cls(window=window, capacity=capacity)
+        path_nodes: list[TrieNode] = [trie.root]
+        for d, t, a, b in zip(depth, token, fp, fo):
+            del path_nodes[d:]
+            node = TrieNode()
+            node.fp, node.fo = a, b
+            path_nodes[-1].children[t] = node
+            path_nodes.append(node)
+        trie.n_nodes = len(depth)
+        return trie
+
+
+def _size(node: TrieNode) -> int:
+    n = 0
+    stack = list(node.children.values())
+    while stack:
+        c = stack.pop()
+        n += 1
+        stack.extend(c.children.values())
+    return n

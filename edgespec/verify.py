@@ -1,0 +1,74 @@
+"""Turn target outputs plus a draft into (accepted nodes, next token). Pure numpy, no llama.cpp.
+
+`target(node)` gives the target's output for the row that follows `node` (node -1: the root).
+Greedy: it returns the argmax token. Sampled: it returns the warped distribution p.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .draft import Draft
+from .sampling import sample
+
+
+def verify_greedy(draft: Draft, target_argmax: Callable[[int], int]) -> tuple[list[int], int]:
+    """Walk the tree along the target's argmax; keep the longest matching path.
+
+    The token that stops the walk is the target's own next token (the bonus when the walk ends
+    at a leaf), so every step commits at least one token.
+    """
+    kids = draft.children()
+    accepted: list[int] = []
+    node = -1
+    while True:
+        t = target_argmax(node)
+        nxt = next((c for c in kids.get(node, ()) if draft.tokens[c] == t), None)
+        if nxt is None:
+            return accepted, t
+        accepted.append(nxt)
+        node = nxt
+
+
+def verify_sampled_tree(
+    draft: Draft, target_probs: Callable[[int], np.ndarray], rng: np.random.Generator
+) -> tuple[list[int], int]:
+    """Drafts without probabilities: sample y from the target at each node and follow the child
+    whose token is y. Every emitted token is a plain draw from the target, so the output
+    distribution is exactly the target's, whatever the tree holds."""
+    kids = draft.children()
+    accepted: list[int] = []
+    node = -1
+    while True:
+        y = sample(target_probs(node), rng)
+        nxt = next((c for c in kids.get(node, ()) if draft.tokens[c] == y), None)
+        if nxt is None:
+            return accepted, y
+        accepted.append(nxt)
+        node = nxt
+
+
+def verify_rejection_chain(
+    draft: Draft, target_probs: Callable[[int], np.ndarray], rng: np.random.Generator
+) -> tuple[list[int], int]:
+    """The standard rejection rule for a chain sampled from draft distributions q.
+
+    Accept x_i with probability min(1, p(x_i)/q(x_i)); on the first rejection draw from the
+    normalized residual max(0, p - q); when every token is accepted draw a bonus token from p
+    at the last row.
+    """
+    assert draft.probs is not None
+    accepted: list[int] = []
+    for i, x in enumerate(draft.tokens):
+        p = target_probs(i - 1)
+        q = draft.probs[i]
+        px, qx = float(p[x]), float(q[x])
+        if qx <= 0.0 or rng.random() * qx > px:
+            resid = np.maximum(p - q, 0.0)
+            if resid.sum() <= 0.0:
+                resid = p
+            return accepted, sample(resid, rng)
+        accepted.append(i)
+    return accepted, sample(target_probs(len(draft.tokens) - 1), rng)

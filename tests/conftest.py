@@ -1,0 +1,65 @@
+"""Fixtures on the real embedded models, fetched into the edgespec cache on first use."""
+
+import pytest
+
+from edgespec.costmodel import flat
+from edgespec.runner import Engine, EngineConfig
+from edgespec.sampling import SamplingConfig
+
+GREEDY = SamplingConfig(temp=0.0)
+
+PROMPTS = [
+    "Repeat this list exactly, then say which item is longest:\n- apples and pears\n- a loaf of brown bread\n"
+    "- apples and pears\n- twelve eggs\n- a loaf of brown bread",
+    "Write a short Python function that returns the factorial of n, then write it again with a docstring.",
+    "What is the capital of France? Answer in one sentence.",
+    "Copy this sentence three times: The quick brown fox jumps over the lazy dog.",
+]
+
+
+@pytest.fixture(scope="session")
+def smol():
+    eng = Engine(EngineConfig(model="smollm2-135m-instruct:q4_0", n_ctx=2048, threads=2))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def smol_pair():
+    eng = Engine(EngineConfig(model="smollm2-135m-instruct:f16", draft="smollm2-135m-instruct:q4_0", n_ctx=2048, threads=2))
+    yield eng
+    eng.close()
+
+
+class Spy:
+    """Wraps a drafter and records every draft and what the target accepted of it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+        self.needs_target_hidden = False
+        self.log = []
+
+    def begin(self, prompt):
+        self.inner.begin(prompt)
+
+    def propose(self, context, budget):
+        return self.inner.propose(context, budget)
+
+    def accept(self, draft, accepted, committed):
+        self.log.append((draft, list(accepted)))
+        self.inner.accept(draft, accepted, committed)
+
+    def end(self):
+        self.inner.end()
+
+
+def generate(engine, prompt_tokens, n, method="none", sampling=GREEDY, drafter=None, gpu_like=False):
+    saved = engine.cost
+    if gpu_like:
+        engine.cost = flat()  # verification as cheap as one token: drafters build big trees
+    try:
+        d = drafter or engine.make_drafter(method, sampling.seed)
+        return engine.generate(prompt_tokens, n, sampling, d).run()
+    finally:
+        engine.cost = saved

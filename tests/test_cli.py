@@ -1,0 +1,136 @@
+"""The command line as a user meets it: one clear line and a non-zero exit for bad input."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from edgespec.models import cached_path, resolve
+
+SMOL = "smollm2-135m-instruct:q4_0"
+
+
+def es(*args, env=None, timeout=300, input=None):
+    return subprocess.run(
+        [sys.executable, "-m", "edgespec", *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})}, input=input,
+    )
+
+
+def assert_one_line_error(r, *needles):
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("edgespec: error:")
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_missing_model_path():
+    assert_one_line_error(es("run", "-m", "/nonexistent/model.gguf", "-p", "hi"), "not found")
+
+
+def test_not_a_gguf(tmp_path):
+    f = tmp_path / "notes.gguf"
+    f.write_text("hello, I am not a model")
+    assert_one_line_error(es("run", "-m", str(f), "-p", "hi"), "not a GGUF")
+
+
+def test_truncated_gguf(tmp_path):
+    src = resolve(SMOL, quiet=True)
+    f = tmp_path / "half.gguf"
+    with open(src, "rb") as a, open(f, "wb") as b:
+        b.write(a.read(4 << 20))
+    assert_one_line_error(es("run", "-m", str(f), "-p", "hi"), "truncated or corrupt")
+
+
+def test_draft_with_other_vocabulary():
+    resolve("gemma3-270m", quiet=True)
+    r = es("run", "-m", SMOL, "-md", "gemma3-270m", "--spec", "draft", "-p", "hi", "-n", "4")
+    assert_one_line_error(r, "vocabulary", "262144", "49152")
+
+
+def test_prompt_longer_than_context():
+    r = es("run", "-m", SMOL, "-c", "256", "-p", "word " * 600, "-n", "4")
+    assert_one_line_error(r, "does not fit", "context of 256")
+
+
+def test_unknown_catalog_name():
+    assert_one_line_error(es("run", "-m", "llama-9000b", "-p", "hi"), "unknown model")
+    assert_one_line_error(es("pull", "smollm2-135m-instruct:q3_k"), "unknown variant")
+
+
+def test_spec_draft_without_draft_model():
+    assert_one_line_error(es("run", "-m", SMOL, "--spec", "draft", "-p", "hi"), "-md")
+
+
+def test_checksum_mismatch_in_cache_is_refetched(tmp_path):
+    src = resolve("smollm2-135m-instruct", quiet=True)
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    bad = cache / "models" / src.name
+    shutil.copyfile(src, bad)
+    with open(bad, "r+b") as f:
+        f.seek(1 << 20)
+        f.write(b"\0" * 64)
+    r = es("pull", "smollm2-135m-instruct", env={"EDGESPEC_CACHE": str(cache)})
+    assert r.returncode == 0, r.stderr
+    assert "does not match its sha256" in r.stderr
+    assert bad.read_bytes() == src.read_bytes()
+    assert not list((cache / "models").glob(".*tmp*"))  # nothing half-written left behind
+
+
+def test_json_output():
+    r = es("run", "-m", SMOL, "-p", "Say hello.", "-n", "12", "--json", "--spec", "lookahead")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"text", "token_ids", "stats"}
+    assert 0 < len(out["token_ids"]) <= 12
+    for key in ("n_drafted", "n_accept", "acceptance_rate", "mean_accepted_length", "tokens_per_s", "n_prompt"):
+        assert key in out["stats"]
+
+
+def test_stdin_prompt_and_stats_line():
+    r = es("run", "-m", SMOL, "-n", "8", "--spec", "none", input="Name a colour.")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "tok/s" in r.stderr
+
+
+def test_ctrl_c_keeps_what_was_produced():
+    p = subprocess.Popen(
+        [sys.executable, "-m", "edgespec", "run", "-m", SMOL, "-n", "4000", "-c", "4096", "--spec", "none",
+         "-p", "Count from 1 to 1000, one number per line."],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    got = b""
+    deadline = time.time() + 120
+    while len(got) < 20 and time.time() < deadline:
+        got += os.read(p.stdout.fileno(), 4096)
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate(timeout=60)
+    err = err.decode()
+    assert p.returncode == 130
+    assert "Traceback" not in err
+    assert len(got) >= 20 and len(rest) > 0  # the final newline at least; nothing streamed is lost
+    assert "stopped" in err and "tokens" in err
+
+
+def test_models_lists_catalog():
+    r = es("models")
+    assert r.returncode == 0
+    assert "smollm2-135m-instruct" in r.stdout and "gemma3-270m" in r.stdout and "cache:" in r.stdout
+
+
+def test_quantize_command(tmp_path):
+    out = tmp_path / "q8.gguf"
+    r = es("quantize", SMOL, str(out), "q8_0")
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:4] == b"GGUF"
+    assert cached_path(SMOL).exists()

@@ -1,0 +1,32 @@
+from edgespec.costmodel import KS, CostModel, flat
+from edgespec.drafters.base import Budget
+from edgespec.drafters.ngram import NgramDrafter, NgramIndex
+from edgespec.sampling import SamplingConfig
+
+
+def test_ngram_index_prefers_longest_latest_match():
+    idx = NgramIndex(1, 3)
+    toks = [1, 2, 3, 4, 9, 2, 3, 5, 1, 2, 3]
+    n, cont = idx.lookup(toks, 4)
+    assert n == 3 and cont == [4, 9, 2, 3]
+    n, cont = idx.lookup([8, 2, 3], 2)
+    assert n == 2
+
+
+def test_ngram_no_match_drafts_nothing():
+    d = NgramDrafter()
+    d.begin([1, 2, 3])
+    b = Budget(16, 8, 1, flat(), SamplingConfig())
+    assert d.propose([1, 2, 3, 77], b).tokens == []
+    draft = d.propose([1, 2, 3, 1, 2], b)
+    assert draft.tokens[:1] == [3] and draft.is_chain
+
+
+def test_cost_model_sizes_drafts_by_cost():
+    cpu = CostModel(KS, tuple(0.005 * (1 + 0.35 * (k - 1)) for k in KS))  # t(8) ~ 3.5 t(1)
+    sure = [0.95 ** i for i in range(1, 17)]
+    unsure = [0.2 ** i for i in range(1, 17)]
+    assert cpu.best_size(sure) >= 3
+    assert cpu.best_size(unsure) == 0  # never slower than plain
+    assert flat().best_size(unsure) >= 1  # on a GPU-like curve even weak drafts pay
+    assert cpu.t(7) > cpu.t(6) and cpu.t(64) > cpu.t(32)

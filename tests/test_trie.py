@@ -1,0 +1,102 @@
+"""The Lookahead trie on hand-written token lists."""
+
+from edgespec.drafters.lookahead import _as_tree
+from edgespec.trie import OUTPUT, PROMPT, TokenTrie
+
+
+def branches(trie, node):
+    return {t: c.count for t, c in node.children.items()}
+
+
+def test_insertion_counts_every_window_once():
+    t = TokenTrie(window=3)
+    t.extend([1, 2, 3, 1, 2, 4], PROMPT)
+    assert branches(t, t.root) == {1: 2, 2: 2, 3: 1, 4: 1}
+    assert branches(t, t.walk([1, 2])) == {3: 1, 4: 1}
+    # growing the sequence completes tail windows without counting their prefixes twice
+    t.extend([1, 2, 3, 1, 2, 4, 5], OUTPUT)
+    assert t.walk([2, 4, 5]).fo == 1 and t.walk([2, 4]).count == 1
+    assert t.walk([4]).count == 1 and t.walk([5]).fo == 1
+
+
+def test_match_longest_suffix_with_continuation():
+    t = TokenTrie(window=4)
+    t.extend([7, 8, 9, 7, 8, 5], PROMPT)
+    node, s = t.match([1, 7, 8], max_match=3)
+    assert s == 2 and branches(t, node) == {9: 1, 5: 1}
+    node, s = t.match([42], max_match=3)
+    assert node is None and s == 0
+
+
+def test_multi_branch_retrieval_frequency_ordered_within_budget():
+    t = TokenTrie(window=4)
+    for seq in ([1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 5, 6], [1, 7]):
+        t.insert(seq, PROMPT)
+    node = t.walk([1])
+    cands = t.candidates(node, max_nodes=4, max_branches=8)
+    assert len(cands) == 4
+    assert cands[0].token == 2 and cands[0].parent == -1  # most frequent first
+    assert [c.path for c in cands] == sorted((c.path for c in cands), reverse=True)
+    for i, c in enumerate(cands):
+        assert c.parent < i  # parents precede children: any prefix is a tree
+    roots = {c.token for c in cands if c.parent == -1}
+    assert len(roots) >= 2  # several branches, not only the best chain
+    # a tight branch budget keeps one chain
+    chain = t.candidates(node, max_nodes=4, max_branches=1)
+    assert [c.token for c in chain] == [2, 3]
+
+
+def test_tree_assembly_puts_likeliest_branch_first():
+    t = TokenTrie(window=4)
+    for seq in ([1, 2, 3], [1, 2, 3], [1, 5, 6]):
+        t.insert(seq, PROMPT)
+    d = _as_tree(t.candidates(t.walk([1]), 8, 8), "lookahead")
+    assert d.tokens[:2] == [2, 3] and d.parents[:2] == [-1, 0]
+    assert sorted(d.tokens) == [2, 3, 5, 6] and len(d.leaves()) == 2
+
+
+def test_release_prompt_keeps_output_branches():
+    t = TokenTrie(window=3)
+    t.insert([1, 2, 3], PROMPT)
+    t.insert([1, 2, 9], OUTPUT)
+    t.insert([4, 5], PROMPT)
+    before = t.n_nodes
+    t.release_prompt()
+    assert t.walk([4]) is None and t.walk([1, 2, 3]) is None
+    assert t.walk([1, 2, 9]).fo == 1 and t.walk([1]).fp == 0
+    assert t.n_nodes == before - 3
+
+
+def test_prune_at_capacity_drops_least_frequent():
+    t = TokenTrie(window=3, capacity=6)
+    for _ in range(5):
+        t.insert([1, 2, 3], OUTPUT)
+    t.insert([7, 8, 9], OUTPUT)
+    t.insert([4, 5, 6], OUTPUT)
+    assert t.n_nodes == 9
+    t.prune(4)
+    assert t.n_nodes <= 4
+    assert t.walk([1, 2, 3]) is not None and t.walk([7]) is None
+    # the automatic path: inserting past capacity prunes
+    t2 = TokenTrie(window=4, capacity=20)
+    t2.extend(list(range(100)), OUTPUT)
+    assert t2.n_nodes <= 20
+
+
+def test_save_load_round_trip(tmp_path):
+    t = TokenTrie(window=5)
+    t.extend([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], PROMPT)
+    t.insert([1, 4, 1, 8], OUTPUT)
+    p = tmp_path / "trie.npz"
+    t.save(p)
+    u = TokenTrie.load(p)
+    assert u.window == 5 and u.n_nodes == t.n_nodes
+
+    def dump(node, prefix=()):
+        out = {}
+        for tok, c in node.children.items():
+            out[prefix + (tok,)] = (c.fp, c.fo)
+            out.update(dump(c, prefix + (tok,)))
+        return out
+
+    assert dump(u.root) == dump(t.root)
