@@ -24,6 +24,8 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smo
     g.add_argument("-td", "--threads-draft", type=int, default=0, help="threads for the draft model (default: as -t)")
     g.add_argument("-ngl", "--n-gpu-layers", dest="ngl", type=int, default=0, help="target layers offloaded to the GPU (default: 0)")
     g.add_argument("-ngld", "--n-gpu-layers-draft", dest="ngld", type=int, default=0, help="draft layers offloaded to the GPU (default: 0)")
+    g.add_argument("--kv-type", default="q8_0", choices=["q8_0", "f16", "bf16"],
+                   help="KV cache type (default: %(default)s, which keeps greedy speculation bit-exact on a CPU)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser, default_spec: str = "auto") -> None:
@@ -85,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=1, help="runs per prompt and method (default: %(default)s)")
     b.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     b.add_argument("--out", default=None, help="folder for report.json")
+    b.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
+                   help="also run llama.cpp's llama-completion and llama-lookup from DIR on the same prompts")
     _add_model_args(b)
     g = b.add_argument_group("draft model")
     g.add_argument("--spec-draft-n-max", "--draft-max", dest="draft_n_max", type=int, default=16)
@@ -99,7 +103,7 @@ def _engine_config(a):
     return EngineConfig(
         model=a.model, draft=a.draft, n_ctx=a.n_ctx, threads=a.threads, threads_draft=a.threads_draft,
         n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngld, draft_n_max=a.draft_n_max, draft_n_min=a.draft_n_min,
-        draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None),
+        draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=a.kv_type,
     )
 
 

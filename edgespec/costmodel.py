@@ -21,49 +21,70 @@ KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 
 @dataclass
 class CostModel:
-    ks: tuple[int, ...]
-    ts: tuple[float, ...]  # seconds per decode of k rows, all with logits
+    """t(k, n): seconds to decode k rows (all with logits) after n cached tokens.
 
-    def t(self, k: int) -> float:
+    The weights part is measured per k on a short context; attention adds a cost per row and
+    per cached token (on a CPU it dominates long contexts: every row attends to all of them).
+    """
+
+    ks: tuple[int, ...]
+    ts: tuple[float, ...]  # seconds per decode of k rows on a context of `n0` tokens
+    attn: float = 0.0  # extra seconds per row per cached token beyond n0
+    n0: int = 32
+    # Largest batch whose logits are bit-identical to one-row decodes on this build and model
+    # (see probe_exact_rows); verification never uses more rows, so greedy stays exact.
+    max_exact_rows: int = 1 << 30
+
+    def t(self, k: int, n_past: int = 0) -> float:
         ks, ts = self.ks, self.ts
+        extra = self.attn * k * max(0, n_past - self.n0)
         if k <= ks[0]:
-            return ts[0]
+            return ts[0] + extra
         for i in range(1, len(ks)):
             if k <= ks[i]:
                 f = (k - ks[i - 1]) / (ks[i] - ks[i - 1])
-                return ts[i - 1] + f * (ts[i] - ts[i - 1])
+                return ts[i - 1] + f * (ts[i] - ts[i - 1]) + extra
         slope = (ts[-1] - ts[-2]) / (ks[-1] - ks[-2])
-        return ts[-1] + slope * (k - ks[-1])
+        return ts[-1] + slope * (k - ks[-1]) + extra
 
-    def best_size(self, probs: list[float], fixed_rows: int = 1, per_node: float = 0.0, margin: float = 0.02) -> int:
+    def best_size(self, probs: list[float], fixed_rows: int = 1, per_node: float = 0.0, margin: float = 0.02,
+                  n_past: int = 0) -> int:
         """How many of the candidate nodes (in the given order) to verify.
 
         `probs[i]` is the chance that node i's path is accepted; `per_node` the drafting time per
         node. Returns 0 when no size beats plain decoding by `margin`.
         """
-        plain = 1.0 / self.t(fixed_rows)
+        plain = 1.0 / self.t(fixed_rows, n_past)
         best_n, best_rate = 0, plain * (1.0 + margin)
         gain = 1.0
         for n, p in enumerate(probs, start=1):
             gain += p
-            rate = gain / (self.t(fixed_rows + n) + per_node * n)
+            rate = gain / (self.t(fixed_rows + n, n_past) + per_node * n)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
 
     def to_dict(self) -> dict:
-        return {"k": list(self.ks), "ms": [round(t * 1e3, 3) for t in self.ts]}
+        return {"k": list(self.ks), "ms": [round(t * 1e3, 3) for t in self.ts],
+                "attn_us_per_row_per_token": round(self.attn * 1e6, 5), "n0": self.n0,
+                "max_exact_rows": self.max_exact_rows}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(tuple(d["k"]), tuple(t / 1e3 for t in d["ms"]), d["attn_us_per_row_per_token"] / 1e6, d["n0"],
+                   d["max_exact_rows"])
 
 
-def flat(seconds: float = 0.01) -> CostModel:
+def flat(seconds: float = 0.01, max_exact_rows: int = 1 << 30) -> CostModel:
     """A machine where verifying k tokens costs as much as one (a fast GPU), for tests."""
-    return CostModel(KS, tuple(seconds for _ in KS))
+    return CostModel(KS, tuple(seconds for _ in KS), 0.0, 32, max_exact_rows)
 
 
 def _key(ctx: Context, n_gpu_layers: int) -> str:
     p = ctx.model.path
     st = p.stat()
-    return f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|t{ctx.n_threads}|ngl{n_gpu_layers}|{platform.node()}"
+    return (f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|t{ctx.n_threads}|ngl{n_gpu_layers}|kv{ctx.cfg.kv_type}"
+            f"|{platform.node()}")
 
 
 def measure(ctx: Context, kv, reps: int = 5) -> CostModel:
@@ -73,22 +94,70 @@ def measure(ctx: Context, kv, reps: int = 5) -> CostModel:
     ks = tuple(k for k in KS if k <= ctx.n_batch and prefix + k <= ctx.n_ctx)
     kv.reset()
     kv.extend([tok] * prefix, want_logits=False)
+
+    def timed(k: int) -> float:
+        base = kv.n
+        t0 = time.perf_counter()
+        kv.extend([tok] * k, all_rows=True)
+        dt = time.perf_counter() - t0
+        kv.truncate(base)
+        return dt
+
     # Repetitions interleave the sizes, so a burst of load elsewhere hits all sizes alike.
     best = {k: float("inf") for k in ks}
-    ctx.decode([tok] * ks[-1], list(range(prefix, prefix + ks[-1])), None, [True] * ks[-1])  # warm-up
-    ctx.mem_seq_rm(0, prefix, -1)
+    timed(ks[-1])  # warm-up
     for _ in range(reps):
         for k in ks:
-            t0 = time.perf_counter()
-            ctx.decode([tok] * k, list(range(prefix, prefix + k)), None, [True] * k)
-            best[k] = min(best[k], time.perf_counter() - t0)
-            ctx.mem_seq_rm(0, prefix, -1)
+            best[k] = min(best[k], timed(k))
     ts = [best[k] for k in ks]
+    # The attention term: the same sizes again after a long context.
+    long_n = min(1024, ctx.n_ctx - 16)
+    attn = 0.0
+    if long_n > 4 * prefix:
+        kv.extend([tok] * (long_n - prefix), want_logits=False)
+        per = []
+        for k in (1, 8):
+            b = min(timed(k) for _ in range(max(2, reps // 2)))
+            per.append(max(0.0, b - best[k]) / (k * (long_n - prefix)))
+        attn = sum(per) / len(per)
     kv.reset()
     # Costs are monotone in k; noise on a shared machine is not.
     for i in range(1, len(ts)):
         ts[i] = max(ts[i], ts[i - 1])
-    return CostModel(ks, tuple(ts))
+    return CostModel(ks, tuple(ts), attn, prefix, probe_exact_rows(ctx, kv))
+
+
+PROBE_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
+
+
+def probe_exact_rows(ctx: Context, kv, seed: int = 1234) -> int:
+    """The largest batch size whose every row's logits equal those of one-row decodes.
+
+    Some CPU kernels process several rows together with another summation order (Q4_K weights
+    go through 4-row GEMM tiles here), so a batched verification can differ from plain decoding
+    in the last bits and flip a near-tie. Greedy speculation is only exact up to this size.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n_vocab = ctx.model.n_vocab
+    prefix_len = min(24, ctx.n_ctx // 4)
+    limit = 1
+    for b in PROBE_ROWS:
+        if prefix_len + b > min(ctx.n_ctx, ctx.n_batch):
+            break
+        toks = [int(x) for x in rng.integers(1, n_vocab, prefix_len + b)]
+        kv.reset()
+        kv.extend(toks[:prefix_len], want_logits=False)
+        kv.extend(toks[prefix_len:], all_rows=True)
+        batched = [ctx.logits(i).copy() for i in range(b)]
+        kv.truncate(prefix_len)
+        same = all(np.array_equal(ctx.logits(kv.extend([t])), batched[i]) for i, t in enumerate(toks[prefix_len:]))
+        if not same:
+            break
+        limit = b
+    kv.reset()
+    return limit
 
 
 def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layers: int = 0) -> CostModel:
@@ -99,8 +168,8 @@ def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layer
             data = json.load(f)
         rec = data.get(key)
         if rec:
-            return CostModel(tuple(rec["k"]), tuple(t / 1e3 for t in rec["ms"]))
-    except (OSError, ValueError, KeyError):
+            return CostModel.from_dict(rec)
+    except (OSError, ValueError, KeyError, TypeError):
         data = {}
     cm = measure(ctx, kv)
     data[key] = cm.to_dict()

@@ -70,7 +70,9 @@ class Stats:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.n_generated / self.t_gen if self.t_gen > 0 else 0.0
+        """Decode rate: tokens after the first (which comes with the prompt) per second of
+        generation, as llama.cpp reports its eval rate."""
+        return (self.n_generated - 1) / self.t_gen if self.t_gen > 0 and self.n_generated > 1 else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:

@@ -70,23 +70,29 @@ class KVSeq:
                 hi = mid - 1
         return lo
 
-    def extend(self, new: list[int], want_logits: bool = True) -> int | None:
-        """Decode `new` after the cache in chunks; return the output row of the last token."""
+    def extend(self, new: list[int], want_logits: bool = True, all_rows: bool = False) -> int | None:
+        """Decode `new` after the cache in chunks; return the output row of the last token.
+
+        `all_rows` asks logits for every row (one chunk only: used by the cost probes)."""
         if len(self.tokens) + len(new) > self.ctx.n_ctx:
             raise ContextFullError(
                 f"{len(self.tokens) + len(new)} tokens do not fit in a context of {self.ctx.n_ctx} (raise -c)"
             )
         step = self.ctx.n_batch
+        if all_rows and len(new) > step:
+            raise EdgespecError("internal: all_rows needs a batch that fits in one decode")
+        row = None
         for s in range(0, len(new), step):
             chunk = new[s : s + step]
             last = s + step >= len(new)
             base = len(self.tokens)
-            outputs = [False] * len(chunk)
+            outputs = [all_rows] * len(chunk)
             if last and want_logits:
                 outputs[-1] = True
+                row = len(chunk) - 1
             self.ctx.decode(chunk, list(range(base, base + len(chunk))), None, outputs)
             self.tokens.extend(chunk)
-        return len(new[(len(new) - 1) // step * step :]) - 1 if (want_logits and new) else None
+        return row
 
     def decode_tree(self, pending: list[int], draft: Draft) -> TreeLayout:
         """Score pending tokens plus a draft tree in ONE decode.

@@ -180,6 +180,14 @@ class ContextConfig:
     n_batch: int = 512
     n_threads: int = 0  # 0: all cores
     n_seq_max: int = 16  # tree drafts use one sequence id per branch
+    kv_type: str = "q8_0"  # see KV_TYPES
+
+
+# KV cache types. q8_0 is the default because it keeps greedy speculation bit-exact on a CPU: with
+# an f16/f32 cache, llama.cpp's CPU flash attention takes a split-KV path for single-token decodes
+# once 512 cells are in use, whose summation order differs from the batched path, so a verified
+# batch can differ from plain decoding in the last bits (and flip a near-tie) past 256 tokens.
+KV_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30}
 
 
 def default_threads() -> int:
@@ -202,6 +210,9 @@ class Context:
         p.n_threads = threads
         p.n_threads_batch = threads
         p.no_perf = True
+        if cfg.kv_type not in KV_TYPES:
+            raise EdgespecError(f"unknown KV cache type {cfg.kv_type!r}; choose one of {', '.join(KV_TYPES)}")
+        p.type_k = p.type_v = KV_TYPES[cfg.kv_type]
         # Rollback needs the whole sliding-window cache (Gemma 3): a pruned window cannot be undone.
         p.swa_full = True
         # Tree branches share the prompt's cells; one unified cache makes that a metadata copy.
@@ -215,7 +226,7 @@ class Context:
         self.n_threads = threads
         self.mem = lc.llama_get_memory(ctx)
         self._batch = lc.llama_batch_init(self.n_batch, 0, cfg.n_seq_max)
-        self._n_vocab = model.n_vocab
+        self._row_type = ctypes.c_float * model.n_vocab
 
     def set_threads(self, n: int) -> None:
         lc.llama_set_n_threads(self.ptr, n, n)
@@ -261,7 +272,10 @@ class Context:
     def logits(self, i: int) -> np.ndarray:
         """A view of the logits of output row `i` of the last decode (valid until the next one)."""
         ptr = lc.llama_get_logits_ith(self.ptr, i)
-        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        if not ptr:
+            raise EdgespecError(f"internal: no logits for batch row {i}")
+        addr = ctypes.cast(ptr, ctypes.c_void_p).value
+        return np.frombuffer(self._row_type.from_address(addr), dtype=np.float32)
 
     # -- memory: called only by kv.KVSeq -------------------------------------------------
 

@@ -43,6 +43,7 @@ class EngineConfig:
     draft_p_min: float = 0.0
     lookahead_cache: str | None = None
     max_branches: int = 8
+    kv_type: str = "q8_0"
 
 
 class Engine:
@@ -53,7 +54,7 @@ class Engine:
 
         self.cfg = cfg
         self.target = Model(resolve(cfg.model, quiet=quiet), cfg.n_gpu_layers)
-        ccfg = ContextConfig(cfg.n_ctx, cfg.n_batch, cfg.threads, cfg.max_branches + 1)
+        ccfg = ContextConfig(cfg.n_ctx, cfg.n_batch, cfg.threads, cfg.max_branches + 1, cfg.kv_type)
         self.ctx = Context(self.target, ccfg)
         self.kv = KVSeq(self.ctx)
         self.draft_model: Model | None = None
@@ -64,7 +65,7 @@ class Engine:
             self.draft_model = Model(resolve(cfg.draft, quiet=quiet), cfg.n_gpu_layers_draft)
             check_vocab(self.target, self.draft_model)
             self.draft_ctx = Context(
-                self.draft_model, ContextConfig(self.ctx.n_ctx, cfg.n_batch, cfg.threads_draft or cfg.threads, 1)
+                self.draft_model, ContextConfig(self.ctx.n_ctx, cfg.n_batch, cfg.threads_draft or cfg.threads, 1, cfg.kv_type)
             )
         self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers)
 
@@ -166,12 +167,13 @@ class Generation:
                 self.tokens.extend(out)
                 st.t_gen = time.perf_counter() - t_start
                 acc_depths = tuple(range(1, len(accepted) + 1)) if draft.is_chain else tuple(draft.depths()[a] for a in accepted)
+                n_acc = min(len(accepted), len(out))  # a step cut at end-of-generation keeps fewer
                 ev = StepEvent(
-                    step=step_no, n_drafted=len(draft), n_accept=len(accepted),
+                    step=step_no, n_drafted=len(draft), n_accept=n_acc,
                     n_branches=len(draft.leaves()) if draft.tokens else 0,
-                    tokens=tuple(out), from_draft=tuple(i < len(accepted) for i in range(len(out))),
+                    tokens=tuple(out), from_draft=tuple(i < n_acc for i in range(len(out))),
                     t_draft=t_draft, t_verify=t_verify, drafter=draft.source or self.drafter.name,
-                    accepted_depth=acc_depths, drafted_depth=_depth_counts(draft),
+                    accepted_depth=acc_depths[:n_acc], drafted_depth=_depth_counts(draft),
                 )
                 st.add(ev)
                 yield ev
@@ -183,11 +185,12 @@ class Generation:
                     st.finish_reason = "context"
                     return
                 budget = Budget(
-                    max_nodes=min(room, ctx.n_batch - len(pending)),
+                    max_nodes=min(room, ctx.n_batch, eng.cost.max_exact_rows) - len(pending),
                     max_branches=ctx.cfg.n_seq_max,
                     fixed_rows=len(pending),
                     cost=eng.cost,
                     sampling=cfg,
+                    n_past=kv.n,
                 )
                 t1 = time.perf_counter()
                 draft = self.drafter.propose(self.prompt + self.tokens, budget) if budget.max_nodes > 0 else Draft()

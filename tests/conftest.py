@@ -14,6 +14,10 @@ PROMPTS = [
     "Write a short Python function that returns the factorial of n, then write it again with a docstring.",
     "What is the capital of France? Answer in one sentence.",
     "Copy this sentence three times: The quick brown fox jumps over the lazy dog.",
+    # past 512 KV cells, where llama.cpp's CPU attention takes other paths for one row and for many
+    "Summarize this log, then repeat its last three lines exactly:\n"
+    + "".join(f"2026-11-29 12:{i:02d}:07 worker-{i % 7} processed batch {i * 37} in {(i * 13) % 97} ms, queue depth {i % 11}\n"
+              for i in range(24)),
 ]
 
 
@@ -26,7 +30,7 @@ def smol():
 
 @pytest.fixture(scope="session")
 def smol_pair():
-    eng = Engine(EngineConfig(model="smollm2-135m-instruct:f16", draft="smollm2-135m-instruct:q4_0", n_ctx=2048, threads=2))
+    eng = Engine(EngineConfig(model="smollm2-135m-instruct:q8_0", draft="smollm2-135m-instruct:q4_0", n_ctx=2048, threads=2))
     yield eng
     eng.close()
 
@@ -57,7 +61,7 @@ class Spy:
 def generate(engine, prompt_tokens, n, method="none", sampling=GREEDY, drafter=None, gpu_like=False):
     saved = engine.cost
     if gpu_like:
-        engine.cost = flat()  # verification as cheap as one token: drafters build big trees
+        engine.cost = flat(0.05, saved.max_exact_rows)  # verifying k tokens costs one; drafting is cheap
     try:
         d = drafter or engine.make_drafter(method, sampling.seed)
         return engine.generate(prompt_tokens, n, sampling, d).run()

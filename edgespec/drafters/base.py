@@ -22,6 +22,11 @@ class Budget:
     fixed_rows: int  # pending tokens that the decode carries anyway (normally 1)
     cost: CostModel
     sampling: SamplingConfig
+    n_past: int = 0  # tokens already in the target's cache: every row attends to all of them
+
+    def size(self, path_probs: list[float], per_node: float = 0.0) -> int:
+        """How many candidates (in order, each with the chance its path is accepted) pay."""
+        return self.cost.best_size(path_probs, self.fixed_rows, per_node, n_past=self.n_past)
 
 
 class Drafter(Protocol):

@@ -91,13 +91,13 @@ class DraftModelDrafter:
             path.append((path[-1] if path else 1.0) * cond)
             if len(tokens) >= limit:
                 break
-            if len(tokens) > self.n_min and budget.cost.best_size(path, budget.fixed_rows, self.t_token) < len(tokens):
+            if len(tokens) > self.n_min and budget.size(path, self.t_token) < len(tokens):
                 break
             t0 = time.perf_counter()
             row = self.kv.extend([x])
             dt = time.perf_counter() - t0
             self.t_token = dt if self.t_token == 0 else 0.9 * self.t_token + 0.1 * dt
-        n = max(self.n_min, budget.cost.best_size(path, budget.fixed_rows, self.t_token)) if tokens else 0
+        n = max(self.n_min, budget.size(path, self.t_token)) if tokens else 0
         n = min(n, len(tokens))
         if n < max(1, self.n_min):
             return Draft()

@@ -58,7 +58,7 @@ class LookaheadDrafter:
             return Draft()
         cal = self.calib[s]
         cands = self.trie.candidates(node, limit, min(self.max_branches, budget.max_branches), cal.factor)
-        size = budget.cost.best_size([c.path for c in cands], budget.fixed_rows)
+        size = budget.size([c.path for c in cands])
         if size == 0:
             # Not paying now; probe with the best token now and then so estimates can recover.
             self._skipped += 1

@@ -74,7 +74,7 @@ class NgramDrafter:
         cal = self.cond[n]
         cond = [min(1.0, cal.factor(d + 1)) for d in range(len(cont))]
         path = list(np.cumprod(cond))
-        size = budget.cost.best_size(path, budget.fixed_rows)
+        size = budget.size(path)
         if size == 0:
             # Not worth it now; still probe one token now and then so the estimate can recover.
             self._skipped = getattr(self, "_skipped", 0) + 1
