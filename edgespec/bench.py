@@ -1,7 +1,8 @@
 """`edgespec bench`: methods measured side by side, interleaved prompt by prompt, in one run.
 
 Speedups are ratios against `none` from the same prompt and repeat, so a noisy shared machine
-slows both sides alike. Every greedy output is compared with `none`'s token for token.
+slows both sides alike. Every greedy output is compared with `none`'s token for token. The
+ceiling is what an oracle drafter (always right) could reach on this machine's cost curve.
 """
 
 from __future__ import annotations
@@ -14,46 +15,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 from .errors import EdgespecError
 from .sampling import SamplingConfig
+from .suites import load_suite
 
 GREEDY = SamplingConfig(temp=0.0)
-
-
-def load_suite(path: str | None, categories: str | None, limit: int) -> list[dict]:
-    if path is None:
-        text = resources.files("edgespec").joinpath("data/suite.jsonl").read_text(encoding="utf-8")
-        src = "built-in suite"
-    else:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as e:
-            raise EdgespecError(f"cannot read suite {path}: {e.strerror}") from None
-        src = path
-    items = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EdgespecError(f"{src} line {i}: not JSON ({e.msg})") from None
-        if "messages" not in obj and "prompt" not in obj:
-            raise EdgespecError(f"{src} line {i}: needs 'messages' or 'prompt'")
-        obj.setdefault("id", f"p{i}")
-        obj.setdefault("category", "default")
-        items.append(obj)
-    if categories:
-        keep = set(categories.split(","))
-        items = [x for x in items if x["category"] in keep]
-    if limit:
-        items = items[:limit]
-    if not items:
-        raise EdgespecError("no prompts to run (check --suite and --categories)")
-    return items
 
 
 def geomean(xs: list[float]) -> float:
@@ -61,59 +29,74 @@ def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
 
 
+def run_method(eng, tokens: list[int], n: int, method: str):
+    """One greedy generation (a seam for tests that need a deliberately broken method)."""
+    return eng.generate(tokens, n, GREEDY, eng.make_drafter(method)).run()
+
+
+def ceiling(cost, n_past: int, max_rows: int = 32) -> tuple[float, int]:
+    """Best speedup of an oracle drafter (every draft token accepted) and its draft length."""
+    best, best_k = 1.0, 0
+    plain = cost.t(1, n_past)
+    for k in range(1, min(max_rows, cost.max_exact_rows)):
+        s = (k + 1) * plain / cost.t(k + 1, n_past)
+        if s > best:
+            best, best_k = s, k
+    return best, best_k
+
+
 def run_bench(a, engine_cfg) -> int:
-    from tqdm import tqdm
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .runner import Engine
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    if "none" in methods:
-        methods.remove("none")
-    methods = ["none"] + methods
+    methods = ["none"] + [m for m in methods if m != "none"]
     suite = load_suite(a.suite, a.categories, a.limit)
     eng = Engine(engine_cfg, quiet=False)
     for m in methods:
         eng.make_drafter(m)  # fail early on a method that cannot run
     prompts = []
     for item in suite:
-        toks = eng.prompt_tokens(messages=item["messages"]) if "messages" in item else eng.prompt_tokens(item["prompt"], raw=True)
-        n = min(a.n_predict, int(item.get("max_tokens", a.n_predict)))
-        prompts.append((item, toks, n))
-    # warm-up: page the weights in and settle the CPU clocks before anything is measured
-    eng.generate(prompts[0][1], 16, GREEDY, eng.make_drafter("none")).run()
+        if "messages" in item:
+            toks = eng.prompt_tokens(messages=item["messages"])
+        else:
+            toks = eng.prompt_tokens(item["prompt"], raw=True)
+        prompts.append((item, toks, min(a.n_predict, int(item.get("max_tokens", a.n_predict)))))
+    # warm-up: page the weights in and settle the clocks before anything is measured
+    run_method(eng, prompts[0][1], 16, "none")
 
-    records = []
-    mismatches = []
-    bar = tqdm(total=len(prompts) * len(methods) * a.repeat, desc="bench", unit="run", file=sys.stderr)
-    for item, toks, n in prompts:
-        for rep in range(a.repeat):
-            ref = None
-            for m in methods:  # interleaved: A B C A B C ...
-                g = eng.generate(toks, n, GREEDY, eng.make_drafter(m)).run()
-                st = g.stats
-                if m == "none":
-                    ref = g.tokens
-                match = g.tokens == ref
-                if not match:
-                    mismatches.append((item["id"], m))
-                    tqdm.write(f"edgespec: MISMATCH: {m} output differs from none on {item['id']}", file=sys.stderr)
-                records.append({
-                    "id": item["id"], "category": item["category"], "method": m, "repeat": rep,
-                    "match": match, **st.to_dict(),
-                })
-                bar.set_postfix_str(f"{m} {st.tokens_per_s:.0f} tok/s")
-                bar.update(1)
-    bar.close()
+    records: list[dict] = []
+    mismatches: list[tuple[str, str]] = []
+    total = len(prompts) * len(methods) * a.repeat
+    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  TextColumn("{task.fields[info]}"), transient=True, console=_stderr_console()) as prog:
+        task = prog.add_task("bench", total=total, info="")
+        for item, toks, n in prompts:
+            for rep in range(a.repeat):
+                ref = None
+                for m in methods:  # interleaved: A B C A B C ...
+                    g = run_method(eng, toks, n, m)
+                    if m == "none":
+                        ref = g.tokens
+                    match = g.tokens == ref
+                    if not match:
+                        mismatches.append((item["id"], m))
+                        prog.console.print(f"[bold red]MISMATCH[/]: {m} output differs from none on {item['id']}")
+                    records.append({"id": item["id"], "category": item["category"], "method": m, "repeat": rep,
+                                    "match": match, **g.stats.to_dict()})
+                    prog.update(task, advance=1, info=f"{item['id']} {m} {g.stats.tokens_per_s:.0f} tok/s")
 
-    llama_rows = []
     if getattr(a, "llama_cpp_bin", None):
-        llama_rows = run_llama_cpp(a.llama_cpp_bin, eng, prompts, engine_cfg)
-        records.extend(llama_rows)
+        records.extend(run_llama_cpp(a.llama_cpp_bin, eng, prompts, engine_cfg))
 
-    report = summarize(records, methods + sorted({r["method"] for r in llama_rows}, reverse=True), eng)
+    order = methods + sorted({r["method"] for r in records} - set(methods), reverse=True)
+    n_past = int(sum(len(t) for _, t, _ in prompts) / len(prompts))
+    report = summarize(records, order, eng.cost, n_past)
     report["config"] = {
-        "model": engine_cfg.model, "draft": engine_cfg.draft, "threads": eng.ctx.n_threads,
-        "n_predict": a.n_predict, "repeat": a.repeat, "suite": a.suite or "built-in", "methods": methods,
+        "model": engine_cfg.model, "draft": engine_cfg.draft, "threads": eng.ctx.n_threads, "kv_type": engine_cfg.kv_type,
+        "n_predict": a.n_predict, "repeat": a.repeat, "suite": a.suite or "built-in", "prompts": len(prompts),
+        "methods": methods,
     }
     report["mismatches"] = mismatches
     print(render_markdown(report))
@@ -121,61 +104,133 @@ def run_bench(a, engine_cfg) -> int:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps({**report, "records": records}, indent=1))
-        print(f"\nreport: {out / 'report.json'}", file=sys.stderr)
+        chart = write_charts(report, records, out / "report.png")
+        print(f"\nreport: {out / 'report.json'}" + (f", {chart}" if chart else " (charts need matplotlib: pip install 'edgespec[bench]')"),
+              file=sys.stderr)
     if mismatches:
-        print(f"edgespec: error: {len(mismatches)} outputs differ from plain greedy decoding", file=sys.stderr)
+        print(f"edgespec: error: {len(mismatches)} outputs differ from plain greedy decoding: "
+              + ", ".join(f"{m} on {i}" for i, m in mismatches[:5]), file=sys.stderr)
         return 3
     return 0
 
 
-def summarize(records: list[dict], methods: list[str], eng) -> dict:
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(file=sys.stderr)
+
+
+def summarize(records: list[dict], methods: list[str], cost, n_past: int) -> dict:
     base = {(r["id"], r["repeat"]): r for r in records if r["method"] == "none"}
-    rows = []
     cats = sorted({r["category"] for r in records})
+    top, top_k = ceiling(cost, n_past)
+    rows = []
     for m in methods:
         mine = [r for r in records if r["method"] == m]
-        if not mine:
-            continue
         for cat in cats + ["all"]:
             sel = [r for r in mine if cat == "all" or r["category"] == cat]
             if not sel:
                 continue
             sp = [r["tokens_per_s"] / base[(r["id"], r["repeat"])]["tokens_per_s"] for r in sel
-                  if (r["id"], r["repeat"]) in base and base[(r["id"], r["repeat"])]["tokens_per_s"] > 0]
+                  if base.get((r["id"], r["repeat"]), {}).get("tokens_per_s", 0) > 0]
             drafted = sum(r.get("n_drafted", 0) for r in sel)
             accepted = sum(r.get("n_accept", 0) for r in sel)
-            gen = sum(r["n_generated"] for r in sel)
             steps = sum(r.get("n_steps", 0) for r in sel)
-            tdraft = sum(r.get("t_draft", 0.0) for r in sel)
-            tver = sum(r.get("t_verify", 0.0) for r in sel)
+            gen = sum(r["n_generated"] for r in sel)
             tgen = sum(r.get("t_gen", 0.0) for r in sel)
+            d_at = _sum_lists([r.get("drafted_at", []) for r in sel])
+            a_at = _sum_lists([r.get("accepted_at", []) for r in sel])
+            speed = geomean(sp) if sp else None
             rows.append({
                 "method": m, "category": cat, "prompts": len(sel),
                 "tokens_per_s": round(geomean([r["tokens_per_s"] for r in sel]), 1),
-                "speedup": round(geomean(sp), 3) if sp else None,
-                "speedup_min": round(min(sp), 3) if sp else None,
-                "speedup_max": round(max(sp), 3) if sp else None,
-                "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-                "mean_accepted_length": round(gen / steps, 3) if steps else None,
-                "draft_share": round(tdraft / tgen, 3) if tgen else None,
-                "verify_share": round(tver / tgen, 3) if tgen else None,
+                "speedup": _r(speed), "speedup_min": _r(min(sp) if sp else None), "speedup_max": _r(max(sp) if sp else None),
+                "efficiency": _r(speed / top if speed and top > 0 else None),
+                "acceptance_rate": _r(accepted / drafted if drafted else None),
+                "mean_accepted_length": _r(gen / steps if steps else None),
+                "acceptance_by_position": [round(x / y, 3) if y else 0.0 for x, y in zip(a_at + [0] * len(d_at), d_at)],
+                "accepted_len_hist": _sum_lists([r.get("accepted_len_hist", []) for r in sel]),
+                "draft_share": _r(sum(r.get("t_draft", 0.0) for r in sel) / tgen if tgen and "t_draft" in sel[0] else None),
+                "verify_share": _r(sum(r.get("t_verify", 0.0) for r in sel) / tgen if tgen and "t_verify" in sel[0] else None),
                 "all_match": all(r.get("match", True) for r in sel),
             })
-    return {"summary": rows, "cost_ms": eng.cost.to_dict()}
+    return {"summary": rows, "cost_ms": cost.to_dict(),
+            "ceiling": {"speedup": round(top, 3), "draft_len": top_k, "n_past": n_past}}
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    out: list[int] = []
+    for xs in lists:
+        for i, x in enumerate(xs):
+            if i >= len(out):
+                out.append(0)
+            out[i] += x
+    return out
 
 
 def render_markdown(report: dict) -> str:
-    head = ("| method | category | prompts | tok/s | speedup (min-max) | acceptance | mean acc. len | "
-            "draft/verify time | output = none |")
-    lines = [head, "|" + "---|" * 9]
+    c = report["ceiling"]
+    lines = [
+        f"Oracle ceiling on this machine: {c['speedup']:.2f}x (draft {c['draft_len']}, {c['n_past']} tokens of context).",
+        "",
+        "| method | category | prompts | tok/s | speedup (min-max) | efficiency | acceptance | mean acc. len | "
+        "acc. by position | draft / verify time | output = none |",
+        "|" + "---|" * 11,
+    ]
     for r in report["summary"]:
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f})"
+        eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%"
         acc = "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.0f}%"
         mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+        pos = " ".join(f"{100 * x:.0f}" for x in r["acceptance_by_position"][:4]) or "-"
         share = "-" if r["draft_share"] is None else f"{100 * r['draft_share']:.0f}% / {100 * r['verify_share']:.0f}%"
         ok = "yes" if r["all_match"] else "**NO**"
-        lines.append(f"| {r['method']} | {r['category']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {sp} | {acc} | {mal} | {share} | {ok} |")
+        lines.append(f"| {r['method']} | {r['category']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {sp} | {eff} | "
+                     f"{acc} | {mal} | {pos} | {share} | {ok} |")
     return "\n".join(lines)
+
+
+def write_charts(report: dict, records: list[dict], path: Path) -> Path | None:
+    """Speedup by method and category; accepted-length histograms. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in report["summary"] if r["speedup"] is not None and r["method"] != "none"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        vals = [next((r["speedup"] for r in rows if r["method"] == m and r["category"] == c), 0) for c in cats]
+        ax1.bar([j + i * width for j in range(len(cats))], vals, width, label=m)
+    ax1.axhline(1.0, color="black", lw=0.8)
+    ax1.axhline(report["ceiling"]["speedup"], color="grey", ls="--", lw=0.8, label="oracle ceiling")
+    ax1.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(cats))], cats, rotation=30, ha="right", fontsize=8)
+    ax1.set_ylabel("speedup over none (same run)")
+    ax1.set_title("speedup by method and category (geometric mean)")
+    ax1.legend(fontsize=8)
+    for m in methods:
+        row = next((r for r in report["summary"] if r["method"] == m and r["category"] == "all"), None)
+        hist = row.get("accepted_len_hist", []) if row else []
+        if sum(hist):
+            xs = list(range(len(hist)))
+            ax2.plot(xs, [h / sum(hist) for h in hist], marker="o", label=m)
+    ax2.set_xlabel("tokens committed per target step")
+    ax2.set_ylabel("share of steps")
+    ax2.set_title("accepted length per step")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 _EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
@@ -185,35 +240,29 @@ _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 def run_llama_cpp(bin_dir: str, eng, prompts, cfg) -> list[dict]:
     """llama.cpp's own llama-completion (plain) and llama-lookup on the same formatted prompts."""
     bind = Path(bin_dir)
-    model = str(eng.target.path)
     rows = []
     for item, toks, n in prompts:
-        text = eng.target.detokenize(toks, special=True)
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-            f.write(text)
+            f.write(eng.target.detokenize(toks, special=True))
             pf = f.name
         try:
-            base_tps = None
-            for name, exe, extra in (
-                ("llama.cpp:completion", "llama-completion", ["-no-cnv"]),
-                ("llama.cpp:lookup", "llama-lookup", []),
-            ):
+            for name, exe, extra in (("llama.cpp:completion", "llama-completion", ["-no-cnv"]),
+                                     ("llama.cpp:lookup", "llama-lookup", [])):
                 path = bind / exe
                 if not path.exists():
                     raise EdgespecError(f"{path} not found (build it with shared/tools/build-llama-cpp-tools.sh)")
-                cmd = [str(path), "-m", model, "-f", pf, "-n", str(n), "--temp", "0", "-t", str(eng.ctx.n_threads),
-                       "-c", str(eng.ctx.n_ctx), "-ctk", cfg.kv_type, "-ctv", cfg.kv_type, "--ignore-eos", *extra]
+                cmd = [str(path), "-m", str(eng.target.path), "-f", pf, "-n", str(n), "--temp", "0",
+                       "-t", str(eng.ctx.n_threads), "-c", str(eng.ctx.n_ctx), "-ctk", cfg.kv_type, "-ctv", cfg.kv_type,
+                       *extra]
                 t0 = time.perf_counter()
                 r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
-                wall = time.perf_counter() - t0
                 tps = parse_eval_tps(r.stderr + r.stdout)
                 if tps is None:
                     tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
                     print(f"edgespec: {exe} gave no timing on {item['id']}: {tail}", file=sys.stderr)
                     continue
                 rows.append({"id": item["id"], "category": item["category"], "method": name, "repeat": 0,
-                             "tokens_per_s": tps, "n_generated": n, "wall_s": wall, "match": True})
-                base_tps = base_tps or tps
+                             "tokens_per_s": tps, "n_generated": n, "wall_s": time.perf_counter() - t0, "match": True})
         finally:
             os.unlink(pf)
     return rows

@@ -81,8 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure methods side by side on a prompt suite")
     b.add_argument("--methods", default="none,ngram,lookahead", help="comma-separated methods; `none` is always run (default: %(default)s)")
-    b.add_argument("--suite", default=None, help="prompt file (JSONL with id, category, messages or prompt, max_tokens); default: the built-in suite")
-    b.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    b.add_argument("--suite", default=None, metavar="FILE|mtbench|humaneval",
+                   help="prompt file (JSONL: id, category, messages or prompt, max_tokens), or MT-bench first turns, "
+                        "or HumanEval (read from their PyPI wheels); default: the built-in suite")
+    b.add_argument("--categories", default=None, help="comma-separated categories (or prefixes) to keep")
     b.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=256, help="tokens per prompt (default: %(default)s)")
     b.add_argument("--repeat", type=int, default=1, help="runs per prompt and method (default: %(default)s)")
     b.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
@@ -104,6 +106,8 @@ def _engine_config(a):
         model=a.model, draft=a.draft, n_ctx=a.n_ctx, threads=a.threads, threads_draft=a.threads_draft,
         n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngld, draft_n_max=a.draft_n_max, draft_n_min=a.draft_n_min,
         draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=a.kv_type,
+        # chains need one sequence; only trees borrow more (and a multi-sequence cache costs a little)
+        max_branches=1 if getattr(a, "spec", "auto") in ("none", "ngram", "draft") else 8,
     )
 
 

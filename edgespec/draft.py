@@ -21,7 +21,7 @@ class Draft:
     parents: list[int] = field(default_factory=list)
     probs: list[np.ndarray] | None = None
     source: str = ""
-    # The drafter's own chance that node i is accepted given its parent was (for calibration).
+    # The drafter's raw chance that node i is accepted given its parent was, before calibration.
     est: list[float] | None = None
 
     @classmethod

@@ -216,7 +216,7 @@ class Context:
         # Rollback needs the whole sliding-window cache (Gemma 3): a pruned window cannot be undone.
         p.swa_full = True
         # Tree branches share the prompt's cells; one unified cache makes that a metadata copy.
-        p.kv_unified = True
+        p.kv_unified = cfg.n_seq_max > 1
         ctx = lc.llama_init_from_model(model.ptr, p)
         if not ctx:
             raise ModelError(f"cannot create a llama.cpp context for {model.path}: {last_log_error()}")

@@ -54,7 +54,7 @@ class Engine:
 
         self.cfg = cfg
         self.target = Model(resolve(cfg.model, quiet=quiet), cfg.n_gpu_layers)
-        ccfg = ContextConfig(cfg.n_ctx, cfg.n_batch, cfg.threads, cfg.max_branches + 1, cfg.kv_type)
+        ccfg = ContextConfig(cfg.n_ctx, cfg.n_batch, cfg.threads, max(1, cfg.max_branches), cfg.kv_type)
         self.ctx = Context(self.target, ccfg)
         self.kv = KVSeq(self.ctx)
         self.draft_model: Model | None = None

@@ -38,13 +38,15 @@ class Candidate:
     token: int
     parent: int  # index into the candidate list, -1 for the match point
     depth: int
-    cond: float  # estimated chance of acceptance given the parent was accepted
-    path: float  # estimated chance that the whole path to this node is accepted
+    raw: float  # the trie's own estimate: this child's share of its siblings' counts, smoothed
+    cond: float  # calibrated chance of acceptance given the parent was accepted
+    path: float  # calibrated chance that the whole path to this node is accepted
 
 
 class TokenTrie:
-    def __init__(self, window: int = 16, capacity: int = 500_000, alpha: float = 0.5):
+    def __init__(self, window: int = 16, capacity: int = 500_000, alpha: float = 0.5, max_children: int = 4):
         self.window = window
+        self.max_children = max_children
         self.capacity = capacity
         self.alpha = alpha  # smoothing: one sighting is not certainty
         self.root = TrieNode()
@@ -130,7 +132,7 @@ class TokenTrie:
         counts, smoothed, times the per-depth calibration `calib(depth)`.
         """
         out: list[Candidate] = []
-        heap: list[tuple[float, int, TrieNode, int, int, float, int]] = []
+        heap: list[tuple[float, int, TrieNode, int, int, float, float, int]] = []
         tick = 0
 
         def push(parent_node: TrieNode, parent_idx: int, depth: int, parent_path: float) -> None:
@@ -140,18 +142,21 @@ class TokenTrie:
                 return
             total = sum(c.count for c in kids.values()) + self.alpha
             f = calib(depth) if calib else 1.0
-            for tok, child in kids.items():
-                cond = min(1.0, f * child.count / total)
-                path = min(parent_path, parent_path * cond)
+            # only the likeliest few children can make it into a small tree
+            best = heapq.nlargest(self.max_children, kids.items(), key=lambda kv: kv[1].count) if len(kids) > self.max_children else kids.items()
+            for tok, child in best:
+                raw = child.count / total
+                cond = min(1.0, f * raw)
+                path = parent_path * cond
                 if path >= min_path:
-                    heapq.heappush(heap, (-path, tick, child, parent_idx, depth, cond, tok))
+                    heapq.heappush(heap, (-path, tick, child, parent_idx, depth, raw, cond, tok))
                     tick += 1
 
         push(node, -1, 1, 1.0)
         n_children = [0]  # for the match point (-1) and then per candidate, shifted by one
         leaves = 0
         while heap and len(out) < max_nodes:
-            negp, _, child, parent_idx, depth, cond, tok = heapq.heappop(heap)
+            negp, _, child, parent_idx, depth, raw, cond, tok = heapq.heappop(heap)
             siblings = n_children[parent_idx + 1]
             # a new child of a node that already has one opens a new branch
             new_leaf = siblings > 0 or parent_idx == -1
@@ -160,7 +165,7 @@ class TokenTrie:
             if new_leaf:
                 leaves += 1
             n_children[parent_idx + 1] += 1
-            out.append(Candidate(tok, parent_idx, depth, cond, -negp))
+            out.append(Candidate(tok, parent_idx, depth, raw, cond, -negp))
             n_children.append(0)
             push(child, len(out) - 1, depth + 1, -negp)
         return out

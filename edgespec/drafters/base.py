@@ -50,7 +50,8 @@ class Calibration:
     """Per-depth correction of a drafter's own confidence, learned from what the target accepts.
 
     For every draft node the target reached (its parent was accepted) we compare the drafter's
-    conditional estimate with the outcome; the factor is the decayed ratio of the two.
+    raw conditional estimate (`Draft.est`, before this correction) with the outcome; the factor
+    is the decayed ratio of the two.
     """
 
     def __init__(self, prior: float = 1.0, weight: float = 2.0, decay: float = 0.995, depth: int = 64):

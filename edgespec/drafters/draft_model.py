@@ -87,7 +87,7 @@ class DraftModelDrafter:
                     probs.pop()
                 break
             tokens.append(x)
-            est.append(cond)
+            est.append(min(1.0, conf))
             path.append((path[-1] if path else 1.0) * cond)
             if len(tokens) >= limit:
                 break

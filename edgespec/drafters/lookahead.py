@@ -39,8 +39,8 @@ class LookaheadDrafter:
         self.max_match = max_match
         self.max_nodes = max_nodes
         self.max_branches = max_branches
-        # calibration per matched suffix length: long matches earn trust faster
-        self.calib = {s: Calibration(prior=1.0) for s in range(1, max_match + 1)}
+        # calibration per matched suffix length; a one-token match predicts little at first
+        self.calib = {s: Calibration(prior=min(1.0, 0.4 + 0.15 * s)) for s in range(1, max_match + 1)}
         self._skipped = 0
         self._s = 1
         self.last_branches = 0
@@ -62,7 +62,7 @@ class LookaheadDrafter:
         if size == 0:
             # Not paying now; probe with the best token now and then so estimates can recover.
             self._skipped += 1
-            if self._skipped < 16 or not cands:
+            if self._skipped < 16 or not cands or cands[0].raw < 0.5:
                 return Draft()
             size = 1
         self._skipped = 0
@@ -95,7 +95,7 @@ def _as_tree(cands, source: str) -> Draft:
         idx = len(tokens)
         tokens.append(cands[i].token)
         parents.append(new_parent)
-        est.append(cands[i].cond)
+        est.append(cands[i].raw)
         for j in sorted(kids.get(i, []), key=lambda j: cands[j].path):
             stack.append((j, idx))
     return Draft(tokens, parents, None, source, est)

@@ -1,0 +1,83 @@
+"""`edgespec bench` on a two-prompt suite with the real embedded model."""
+
+import json
+import types
+
+import pytest
+
+from edgespec import bench, cli
+from edgespec.suites import load_suite, parse_jsonl
+from edgespec.errors import EdgespecError
+
+SUITE = [
+    {"id": "copy", "category": "quote", "max_tokens": 40,
+     "messages": [{"role": "user", "content": "Repeat exactly: red green blue, red green blue, red green blue."}]},
+    {"id": "chat", "category": "chat", "max_tokens": 40, "prompt": "The three primary colours are"},
+]
+
+
+@pytest.fixture()
+def suite_file(tmp_path):
+    f = tmp_path / "suite.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in SUITE))
+    return f
+
+
+def test_report_fields(tmp_path, suite_file, capsys):
+    out = tmp_path / "out"
+    rc = cli.main(["bench", "-m", "smollm2-135m-instruct:q4_0", "-t", "2", "--suite", str(suite_file),
+                   "--methods", "none,ngram,lookahead", "-n", "40", "--out", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "| lookahead | all | 2 |" in table and "Oracle ceiling" in table
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["mismatches"] == []
+    assert {r["method"] for r in rep["records"]} == {"none", "ngram", "lookahead"}
+    assert len(rep["records"]) == 6
+    rows = {(r["method"], r["category"]): r for r in rep["summary"]}
+    assert set(rows) >= {("none", "quote"), ("none", "chat"), ("lookahead", "all"), ("ngram", "quote")}
+    assert rows[("none", "all")]["speedup"] == 1.0
+    for r in rep["summary"]:
+        for key in ("tokens_per_s", "speedup", "speedup_min", "speedup_max", "efficiency", "acceptance_rate",
+                    "mean_accepted_length", "acceptance_by_position", "draft_share", "verify_share", "all_match"):
+            assert key in r
+        assert r["all_match"] is True
+    assert rep["ceiling"]["speedup"] >= 1.0
+    assert rows[("lookahead", "quote")]["acceptance_rate"] is not None
+    assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_mismatch_is_flagged(suite_file, monkeypatch, capsys):
+    real = bench.run_method
+
+    def broken(eng, tokens, n, method):
+        g = real(eng, tokens, n, method)
+        if method == "ngram":  # a deliberately broken method: one token changed
+            g.tokens[len(g.tokens) // 2] += 1
+        return g
+
+    monkeypatch.setattr(bench, "run_method", broken)
+    rc = cli.main(["bench", "-m", "smollm2-135m-instruct:q4_0", "-t", "2", "--suite", str(suite_file),
+                   "--methods", "none,ngram", "-n", "24"])
+    assert rc == 3
+    captured = capsys.readouterr()
+    assert "**NO**" in captured.out
+    assert "differ from plain greedy decoding" in captured.err
+
+
+def test_suite_parsing(tmp_path):
+    assert len(load_suite(None)) >= 4
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x"}\n')
+    with pytest.raises(EdgespecError, match="needs 'messages' or 'prompt'"):
+        load_suite(str(bad))
+    assert parse_jsonl('{"prompt": "hi"}\n\n', "t")[0]["category"] == "default"
+    assert bench.parse_eval_tps("llama_perf:        eval time =     100.00 ms /    10 runs") == pytest.approx(100.0)
+    assert bench.parse_eval_tps("decoded   65 tokens in    0.500 seconds, speed: 130 t/s") == pytest.approx(130.0)
+
+
+def test_external_suites_from_wheels():
+    mt = load_suite("mtbench")
+    assert len(mt) == 80 and mt[0]["category"].startswith("mtbench-")
+    he = load_suite("humaneval", limit=3)
+    assert len(he) == 3 and "def " in he[0]["messages"][0]["content"]
