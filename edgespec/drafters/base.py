@@ -51,10 +51,11 @@ class Calibration:
 
     For every draft node the target reached (its parent was accepted) we compare the drafter's
     raw conditional estimate (`Draft.est`, before this correction) with the outcome; the factor
-    is the decayed ratio of the two.
+    is the decayed ratio of the two. With `depth=1` (the default) all draft positions share one
+    factor: deep positions are drafted rarely, and a factor of their own would stay at the prior.
     """
 
-    def __init__(self, prior: float = 1.0, weight: float = 2.0, decay: float = 0.995, depth: int = 64):
+    def __init__(self, prior: float = 1.0, weight: float = 2.0, decay: float = 0.995, depth: int = 1):
         self.est = np.full(depth, weight, dtype=np.float64)
         self.acc = np.full(depth, weight * prior, dtype=np.float64)
         self.decay = decay
