@@ -30,8 +30,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smo
 
 def _add_spec_args(p: argparse.ArgumentParser, default_spec: str = "auto") -> None:
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--spec", default=default_spec, choices=["none", "ngram", "lookahead", "draft", "auto"],
-                   help="drafting method (default: %(default)s: lookahead, then the draft model when -md is given)")
+    g.add_argument("--spec", default=default_spec, choices=["none", "ngram", "lookahead", "draft", "auto", "pearl"],
+                   help="drafting method (default: %(default)s: lookahead, then the draft model when -md is given; "
+                        "pearl: the draft model drafts in parallel with verification)")
     g.add_argument("--spec-draft-n-max", "--draft-max", dest="draft_n_max", type=int, default=16,
                    help="most tokens the draft model drafts per step (default: %(default)s)")
     g.add_argument("--spec-draft-n-min", "--draft-min", dest="draft_n_min", type=int, default=0,
@@ -39,6 +40,7 @@ def _add_spec_args(p: argparse.ArgumentParser, default_spec: str = "auto") -> No
     g.add_argument("--spec-draft-p-min", dest="draft_p_min", type=float, default=0.0,
                    help="stop drafting when the draft model's top probability falls below this (default: %(default)s: "
                         "the cost model decides)")
+    g.add_argument("--pearl-gamma", type=int, default=4, help="PEARL draft length per round (default: %(default)s)")
     g.add_argument("--lookahead-cache", default=None, metavar="PATH",
                    help="load the lookahead trie from PATH and save its output branches back after the run")
 
@@ -96,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-draft-n-max", "--draft-max", dest="draft_n_max", type=int, default=16)
     g.add_argument("--spec-draft-n-min", "--draft-min", dest="draft_n_min", type=int, default=0)
     g.add_argument("--spec-draft-p-min", dest="draft_p_min", type=float, default=0.0)
+    g.add_argument("--pearl-gamma", type=int, default=4)
     return ap
 
 
@@ -107,7 +110,8 @@ def _engine_config(a):
         n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngld, draft_n_max=a.draft_n_max, draft_n_min=a.draft_n_min,
         draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=a.kv_type,
         # chains need one sequence; only trees borrow more (and a multi-sequence cache costs a little)
-        max_branches=1 if getattr(a, "spec", "auto") in ("none", "ngram", "draft") else 8,
+        max_branches=1 if getattr(a, "spec", "auto") in ("none", "ngram", "draft", "pearl") else 8,
+        pearl_gamma=getattr(a, "pearl_gamma", 4),
     )
 
 
@@ -136,8 +140,10 @@ def _validate(a) -> None:
         raise EdgespecError("--temp must be >= 0")
     if a.draft_n_max < 0 or a.draft_n_min < 0 or a.draft_n_min > a.draft_n_max:
         raise EdgespecError("draft lengths need 0 <= --spec-draft-n-min <= --spec-draft-n-max")
-    if getattr(a, "spec", None) == "draft" and not a.draft:
-        raise EdgespecError("--spec draft needs a draft model: pass -md MODEL")
+    if getattr(a, "spec", None) in ("draft", "pearl") and not a.draft:
+        raise EdgespecError(f"--spec {a.spec} needs a draft model: pass -md MODEL")
+    if getattr(a, "pearl_gamma", 1) < 1:
+        raise EdgespecError("--pearl-gamma must be at least 1")
 
 
 def cmd_run(a) -> int:
@@ -155,8 +161,8 @@ def cmd_run(a) -> int:
         msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
         prompt = engine.prompt_tokens(messages=msgs)
     sampling = SamplingConfig(a.temp, a.top_k, a.top_p, a.min_p, a.seed)
-    drafter = engine.make_drafter(a.spec, a.seed)
-    gen = engine.generate(prompt, a.n_predict, sampling, drafter)
+    gen = engine.start(prompt, a.n_predict, sampling, a.spec)
+    used = gen.drafter.name if hasattr(gen, "drafter") else a.spec
     stream = TextStream(engine.target)
     interrupted = False
     try:
@@ -171,13 +177,13 @@ def cmd_run(a) -> int:
         out = {
             "text": engine.target.detokenize(gen.tokens),
             "token_ids": gen.tokens,
-            "stats": {"method": a.spec, "drafter": drafter.name, **st.to_dict(), "cost_ms": engine.cost.to_dict()},
+            "stats": {"method": a.spec, "drafter": used, **st.to_dict(), "cost_ms": engine.cost.to_dict()},
         }
         print(json.dumps(out, ensure_ascii=False))
     else:
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
-        print(f"[{a.spec}{' (' + drafter.name + ')' if drafter.name != a.spec else ''}] {st.summary()}"
+        print(f"[{a.spec}{' (' + used + ')' if used != a.spec else ''}] {st.summary()}"
               f"{' - stopped' if interrupted else ''}", file=sys.stderr)
     return EXIT_INTERRUPTED if interrupted else 0
 

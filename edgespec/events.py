@@ -24,6 +24,7 @@ class StepEvent:
     drafter: str = ""
     accepted_depth: tuple[int, ...] = ()  # depth of each accepted node (1-based)
     drafted_depth: tuple[int, ...] = ()  # number of draft nodes at each depth 1..
+    mode: str = ""  # PEARL: "pre" (first token verified while drafting) or "post" (draft on while verifying)
 
 
 @dataclass
@@ -43,6 +44,14 @@ class Stats:
     accepted_at: list[int] = field(default_factory=list)
     accepted_len_hist: list[int] = field(default_factory=list)  # steps by tokens committed
     finish_reason: str = ""
+    # PEARL only: rounds per mode, pre-verify rounds that ended early, and where time went.
+    # For PEARL, t_draft is the time the target sat idle waiting for draft tokens.
+    n_pre: int = 0
+    n_post: int = 0
+    n_early_exit: int = 0
+    t_draft_busy: float = 0.0  # the draft model's time drafting
+    t_draft_hidden: float = 0.0  # drafting that ran behind verification (the target did not wait)
+    t_idle_draft: float = 0.0  # the draft model waiting for work
 
     def add(self, ev: StepEvent) -> None:
         self.n_steps += 1

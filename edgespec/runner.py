@@ -44,6 +44,7 @@ class EngineConfig:
     lookahead_cache: str | None = None
     max_branches: int = 8
     kv_type: str = "q8_0"
+    pearl_gamma: int = 4
 
 
 class Engine:
@@ -59,6 +60,7 @@ class Engine:
         self.kv = KVSeq(self.ctx)
         self.draft_model: Model | None = None
         self.draft_ctx: Context | None = None
+        self.draft_kv: KVSeq | None = None
         if cfg.draft:
             from .drafters.draft_model import check_vocab
 
@@ -67,6 +69,7 @@ class Engine:
             self.draft_ctx = Context(
                 self.draft_model, ContextConfig(self.ctx.n_ctx, cfg.n_batch, cfg.threads_draft or cfg.threads, 1, cfg.kv_type)
             )
+            self.draft_kv = KVSeq(self.draft_ctx)  # one per context: its token list is the cache's
         self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers)
 
     # -- prompts --------------------------------------------------------------------------
@@ -103,7 +106,9 @@ class Engine:
             if self.draft_model is None:
                 return look
             return ChainDrafter([look, self._draft_model_drafter(seed)])
-        raise EdgespecError(f"unknown --spec method {method!r}; choose none, ngram, lookahead, draft or auto")
+        if method == "pearl":
+            raise EdgespecError("pearl is a scheduler, not a drafter: use Engine.start")
+        raise EdgespecError(f"unknown --spec method {method!r}; choose none, ngram, lookahead, draft, auto or pearl")
 
     def _draft_model_drafter(self, seed: int | None) -> Drafter:
         from .drafters.draft_model import DraftModelDrafter
@@ -111,12 +116,22 @@ class Engine:
         if self.draft_model is None or self.draft_ctx is None:
             raise EdgespecError("--spec draft needs a draft model: pass -md MODEL")
         c = self.cfg
-        return DraftModelDrafter(self.draft_model, self.draft_ctx, c.draft_n_max, c.draft_n_min, c.draft_p_min, seed)
+        return DraftModelDrafter(self.draft_model, self.draft_kv, c.draft_n_max, c.draft_n_min, c.draft_p_min, seed)
 
     def generate(
         self, prompt: list[int], max_tokens: int, sampling: SamplingConfig, drafter: Drafter | None = None
     ) -> "Generation":
         return Generation(self, prompt, max_tokens, sampling, drafter or NullDrafter())
+
+    def start(self, prompt: list[int], max_tokens: int, sampling: SamplingConfig, method: str):
+        """A generation by method name; `pearl` is a scheduler of its own, the rest are drafters."""
+        if method == "pearl":
+            from .pearl import PearlGeneration
+
+            if self.draft_ctx is None:
+                raise EdgespecError("--spec pearl needs a draft model: pass -md MODEL")
+            return PearlGeneration(self, prompt, max_tokens, sampling, self.cfg.pearl_gamma)
+        return self.generate(prompt, max_tokens, sampling, self.make_drafter(method, sampling.seed))
 
     def close(self) -> None:
         for obj in (self.draft_ctx, self.draft_model, self.ctx, self.target):

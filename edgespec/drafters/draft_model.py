@@ -14,7 +14,7 @@ import numpy as np
 from ..draft import Draft
 from ..errors import VocabMismatchError
 from ..kv import KVSeq
-from ..llama import Context, Model
+from ..llama import Model
 from ..sampling import sample, warp
 from .base import Budget, Calibration
 
@@ -44,16 +44,16 @@ class DraftModelDrafter:
     name = "draft"
     needs_target_hidden = False
 
-    def __init__(self, model: Model, ctx: Context, n_max: int = 16, n_min: int = 0, p_min: float = 0.0, seed: int | None = None):
+    def __init__(self, model: Model, kv: KVSeq, n_max: int = 16, n_min: int = 0, p_min: float = 0.0, seed: int | None = None):
         self.model = model
-        self.kv = KVSeq(ctx)
+        self.kv = kv
         self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
         self.calib = Calibration(prior=1.0)
         self.rng = np.random.default_rng(None if seed is None else seed + 1)
         self.t_token = 0.0  # drafting time per token (EMA), charged against each draft token
 
     def begin(self, prompt: list[int]) -> None:
-        self.kv.reset()
+        pass  # the cache is synced to the context on every proposal
 
     def propose(self, context: list[int], budget: Budget) -> Draft:
         limit = min(self.n_max, budget.max_nodes, self.kv.room() - 2)

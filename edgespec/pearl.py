@@ -1,0 +1,320 @@
+"""PEARL (Liu et al., ICLR 2025): the draft model and the target work at the same time.
+
+Two moves, switched by what the target decides:
+
+- **pre-verify**: as soon as the draft model has its first token d1, the target verifies it
+  (two rows: the pending token and d1) while the draft model goes on drafting d2..dγ. If d1 is
+  rejected the round ends at once, and the rest of the draft is abandoned.
+- **post-verify**: while the target verifies d2..dγ, the draft model drafts the next γ tokens
+  as if all were accepted. If they were, the next round starts with a draft already made.
+
+The draft model runs in its own thread and its own llama.cpp context; the target stays in the
+calling thread. ctypes releases the GIL around llama_decode, so both really run at once. The
+protocol depends only on token outcomes, never on timing: draft randomness is keyed by round,
+target randomness is drawn in protocol order, so a seeded run is reproducible.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from .draft import Draft
+from .errors import ContextFullError, EdgespecError
+from .events import Stats, StepEvent
+from .kv import KVSeq
+from .sampling import SamplingConfig, sample, warp
+
+
+class _DraftJob:
+    """Tokens the worker drafts after a fixed base, readable as they appear."""
+
+    def __init__(self, base: list[int], n: int, epoch: int):
+        self.base, self.n, self.epoch = base, n, epoch
+        self.tokens: list[int] = []
+        self.probs: list[np.ndarray] = []
+        self.cancelled = False
+        self.done = False
+        self.t_busy = 0.0
+        self.cond = threading.Condition()
+
+    def wait_for(self, count: int) -> int:
+        """Block until `count` tokens exist or the job ended; return how many exist."""
+        with self.cond:
+            while len(self.tokens) < count and not self.done:
+                self.cond.wait()
+            return len(self.tokens)
+
+    def cancel(self) -> None:
+        with self.cond:
+            self.cancelled = True
+
+
+class DraftWorker(threading.Thread):
+    """Owns the draft model's context; drafts one job at a time, token by token."""
+
+    def __init__(self, kv: KVSeq, sampling: SamplingConfig, seed: int | None):
+        super().__init__(daemon=True, name="edgespec-draft")
+        self.kv = kv
+        self.sampling = sampling
+        self.seed = seed
+        self._jobs: list[_DraftJob] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.t_idle = 0.0
+        self._n_jobs = 0
+        self._current: _DraftJob | None = None
+
+    def submit(self, base: list[int], n: int) -> _DraftJob:
+        # Jobs are submitted in protocol order, so their number keys the draft randomness
+        # deterministically, and no two jobs share draws.
+        self._n_jobs += 1
+        job = _DraftJob(list(base), n, self._n_jobs)
+        with self._cv:
+            self._jobs.append(job)
+            self._cv.notify()
+        return job
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            for job in self._jobs:
+                job.cancel()
+            self._jobs.clear()
+            self._cv.notify()
+        if self._current is not None:
+            self._current.cancel()
+
+    def run(self) -> None:
+        try:
+            while True:
+                t0 = time.perf_counter()
+                with self._cv:
+                    while not self._jobs and not self._stopping:
+                        self._cv.wait()
+                    if self._stopping:
+                        return
+                    job = self._jobs.pop(0)
+                    self._current = job
+                self.t_idle += time.perf_counter() - t0
+                self._draft(job)
+                self._current = None
+        except BaseException as e:  # surfaced to the target thread
+            self.error = e
+
+    def _draft(self, job: _DraftJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            ctx = self.kv.ctx
+            keep = self.kv.common_prefix(job.base)
+            if keep == len(job.base):
+                keep -= 1
+            self.kv.truncate(keep)
+            row = self.kv.extend(job.base[keep:])
+            for i in range(job.n):
+                if job.cancelled:
+                    return
+                logits = ctx.logits(row)
+                if self.sampling.greedy:
+                    x, q = int(np.argmax(logits)), None
+                else:
+                    q = warp(logits, self.sampling)
+                    # keyed by (seed, round, offset): the same whatever the threads' timing
+                    rng = np.random.default_rng([self.seed or 0, job.epoch, i])
+                    x = sample(q, rng)
+                with job.cond:
+                    job.tokens.append(x)
+                    if q is not None:
+                        job.probs.append(q)
+                    job.cond.notify_all()
+                if i + 1 < job.n and self.kv.room() > 1:
+                    row = self.kv.extend([x])
+                elif i + 1 < job.n:
+                    return
+        finally:
+            job.t_busy = time.perf_counter() - t0
+            with job.cond:
+                job.done = True
+                job.cond.notify_all()
+
+
+@dataclass
+class PearlGeneration:
+    """Same interface as runner.Generation: iterate for StepEvents; tokens and stats grow."""
+
+    engine: object
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    gamma: int = 4
+    tokens: list[int] = field(default_factory=list)
+    stats: Stats = field(default_factory=Stats)
+
+    def run(self) -> "PearlGeneration":
+        for _ in self:
+            pass
+        return self
+
+    def __iter__(self) -> Iterator[StepEvent]:
+        eng, st, cfg = self.engine, self.stats, self.sampling
+        if eng.draft_ctx is None:
+            raise EdgespecError("--spec pearl needs a draft model: pass -md MODEL")
+        ctx, kv = eng.ctx, eng.kv
+        gamma = max(1, min(self.gamma, eng.cost.max_exact_rows - 1))
+        rng = np.random.default_rng(cfg.seed)
+        if len(self.prompt) >= ctx.n_ctx:
+            raise ContextFullError(f"prompt of {len(self.prompt)} tokens does not fit in a context of {ctx.n_ctx} tokens (raise -c)")
+        st.n_prompt = len(self.prompt)
+        st.finish_reason = "interrupted"
+        worker = DraftWorker(eng.draft_kv, cfg, cfg.seed)
+        worker.start()
+        t0 = time.perf_counter()
+        kv.reset()
+        row = kv.extend(self.prompt)
+        first = int(np.argmax(ctx.logits(row))) if cfg.greedy else sample(warp(ctx.logits(row), cfg), rng)
+        st.t_prompt = time.perf_counter() - t0
+        t_start = time.perf_counter()
+        pending: list[int] = [first]  # committed, not in the target's cache
+        carry = None  # the target's verdict for the next position, known but not yet used
+        job, used = None, 0  # the running draft job and how many of its tokens were verified
+        busy = 0.0
+        out, done = self._clip([first])
+        yield self._emit(StepEvent(0, 0, 0, 0, tuple(out), (False,) * len(out), 0.0, 0.0, "pearl"), out)
+        try:
+            step = 0
+            while not done:
+                if worker.error:
+                    raise worker.error
+                step += 1
+                base = self.prompt + self.tokens
+                if kv.room() < len(pending) + gamma + 1:
+                    st.finish_reason = "context"
+                    return
+                mode = "post" if carry is not None else "pre"
+                if job is None:
+                    job, used = worker.submit(base, gamma), 0
+                # pre-verify takes the first token as soon as it exists; post-verify the rest
+                need = 1 if mode == "pre" else job.n - used
+                tw = time.perf_counter()
+                have = job.wait_for(used + need) - used
+                t_wait = time.perf_counter() - tw
+                if have <= 0:
+                    job, used = None, 0  # the draft model could not go on (context end): plain step
+                    if carry is not None:
+                        raise EdgespecError("internal: draft ended while a verdict was carried")
+                    continue
+                n = min(need, have)
+                with job.cond:
+                    draft = Draft.chain(job.tokens[used:used + n], job.probs[used:used + n] if not cfg.greedy else None, "pearl")
+                tv = time.perf_counter()
+                next_job = None
+                if mode == "post":  # draft on, as if everything is accepted
+                    next_job = worker.submit(base + draft.tokens, gamma)
+                accepted, nxt, carry = self._verify(kv, pending, draft, carry, rng)
+                t_verify = time.perf_counter() - tv
+                all_ok = nxt is None
+                committed = [draft.tokens[a] for a in accepted] + ([] if all_ok else [nxt])
+                if mode == "pre" and all_ok:
+                    used += n  # d1 accepted: the rest of this job becomes the post-verify draft
+                    pending = []
+                    if used >= job.n:
+                        busy += job.t_busy
+                        job = None
+                elif mode == "pre":
+                    job.cancel()  # rejected: the round ends early, the rest is dropped
+                    busy += job.t_busy
+                    job, pending = None, [nxt]
+                    st.n_early_exit += 1
+                else:
+                    busy += job.t_busy
+                    if all_ok:
+                        job, used, pending = next_job, 0, []
+                    else:
+                        next_job.cancel()
+                        job, pending = None, [nxt]
+                st.n_pre += mode == "pre"
+                st.n_post += mode == "post"
+                out, done = self._clip(committed)
+                n_acc = min(len(accepted), len(out))
+                st.t_gen = time.perf_counter() - t_start
+                yield self._emit(StepEvent(
+                    step, len(draft), n_acc, 1, tuple(out), tuple(i < n_acc for i in range(len(out))),
+                    t_wait, t_verify, "pearl", tuple(range(1, n_acc + 1)), (1,) * len(draft), mode=mode,
+                ), out)
+        finally:
+            st.t_gen = time.perf_counter() - t_start
+            worker.stop()
+            worker.join(timeout=5)
+            st.t_idle_draft = worker.t_idle
+            st.t_draft_busy = busy
+            # drafting the target did not wait for ran behind verification
+            st.t_draft_hidden = max(0.0, busy - st.t_draft)
+
+    def _verify(self, kv: KVSeq, pending, draft: Draft, carry, rng):
+        """Verify a chain. With `carry` (the target's verdict for the next position, from the
+        last row of the previous batch) the first draft token is checked against it and the
+        cache needs no pending row. Returns (accepted, token or None, new carry)."""
+        greedy = self.sampling.greedy
+        if carry is not None:
+            x0 = draft.tokens[0]
+            if greedy:
+                ok = carry == x0
+                y = None if ok else carry
+            else:
+                p, q = carry, draft.probs[0]
+                ok = rng.random() * q[x0] <= p[x0]
+                y = None if ok else sample(np.maximum(p - q, 0.0) if (p - q).max() > 0 else p, rng)
+            if not ok:
+                return [], y, None
+            rest = Draft.chain(draft.tokens[1:], draft.probs[1:] if draft.probs else None)
+            layout = kv.decode_tree([x0], rest)
+            acc, y, carry2 = self._walk(layout, rest, rng)
+            kv.commit_tree(layout, [x0], rest, acc)
+            return [0] + [a + 1 for a in acc], y, carry2
+        layout = kv.decode_tree(pending, draft)
+        acc, y, carry2 = self._walk(layout, draft, rng)
+        kv.commit_tree(layout, pending, draft, acc)
+        return acc, y, carry2
+
+    def _walk(self, layout, draft: Draft, rng):
+        """Rejection rule along the chain; when every token passes, the last row's verdict is
+        carried instead of drawing a bonus token (the next draft is checked against it)."""
+        cfg, ctx = self.sampling, self.engine.ctx
+        accepted: list[int] = []
+        for i, x in enumerate(draft.tokens):
+            r = layout.row(i - 1)
+            if cfg.greedy:
+                t = int(np.argmax(ctx.logits(r)))
+                if t != x:
+                    return accepted, t, None
+            else:
+                p, q = warp(ctx.logits(r), cfg), draft.probs[i]
+                if rng.random() * q[x] > p[x]:
+                    resid = np.maximum(p - q, 0.0)
+                    return accepted, sample(resid if resid.sum() > 0 else p, rng), None
+            accepted.append(i)
+        r = layout.row(len(draft.tokens) - 1)
+        verdict = int(np.argmax(ctx.logits(r))) if cfg.greedy else warp(ctx.logits(r), cfg)
+        return accepted, None, verdict
+
+    def _emit(self, ev: StepEvent, out: list[int]) -> StepEvent:
+        self.tokens.extend(out)
+        self.stats.add(ev)
+        return ev
+
+    def _clip(self, committed: list[int]) -> tuple[list[int], bool]:
+        out: list[int] = []
+        for t in committed:
+            if self.engine.target.is_eog(t):
+                self.stats.finish_reason = "stop"
+                return out, True
+            out.append(t)
+            if len(self.tokens) + len(out) >= self.max_tokens:
+                self.stats.finish_reason = "length"
+                return out, True
+        return out, False
