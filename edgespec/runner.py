@@ -70,6 +70,8 @@ class Engine:
                 self.draft_model, ContextConfig(self.ctx.n_ctx, cfg.n_batch, cfg.threads_draft or cfg.threads, 1, cfg.kv_type)
             )
             self.draft_kv = KVSeq(self.draft_ctx)  # one per context: its token list is the cache's
+            self.draft_cost = load_or_measure(self.draft_ctx, self.draft_kv, cache_root() / "costs.json",
+                                              cfg.n_gpu_layers_draft)
         self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers)
 
     # -- prompts --------------------------------------------------------------------------
@@ -116,7 +118,8 @@ class Engine:
         if self.draft_model is None or self.draft_ctx is None:
             raise EdgespecError("--spec draft needs a draft model: pass -md MODEL")
         c = self.cfg
-        return DraftModelDrafter(self.draft_model, self.draft_kv, c.draft_n_max, c.draft_n_min, c.draft_p_min, seed)
+        return DraftModelDrafter(self.draft_model, self.draft_kv, c.draft_n_max, c.draft_n_min, c.draft_p_min, seed,
+                                 t_token=self.draft_cost.t(1))
 
     def generate(
         self, prompt: list[int], max_tokens: int, sampling: SamplingConfig, drafter: Drafter | None = None

@@ -99,3 +99,36 @@ def test_stats_are_consistent(smol):
     for key in ("n_drafted", "n_accept", "acceptance_rate", "mean_accepted_length", "t_draft", "t_verify",
                 "n_prompt", "t_prompt", "tokens_per_s", "acceptance_by_position"):
         assert key in d
+
+
+def test_sampled_lookahead_tree_runs_and_is_seeded(smol):
+    from edgespec.sampling import SamplingConfig
+
+    toks = smol.prompt_tokens(PROMPTS[3])
+    cfg = SamplingConfig(temp=0.7, seed=5)
+    runs = []
+    for _ in range(2):
+        spy = Spy(smol.make_drafter("lookahead"))
+        g = generate(smol, toks, 48, sampling=cfg, drafter=spy, gpu_like=True)
+        runs.append(g.tokens)
+        assert g.stats.n_drafted > 0
+    assert runs[0] == runs[1]
+    assert any(len(d.leaves()) > 1 for d, _ in spy.log)
+
+
+def test_lookahead_cache_persists_output_branches(tmp_path):
+    path = tmp_path / "trie.npz"
+    eng = Engine(EngineConfig(model="smollm2-135m-instruct:q4_0", n_ctx=1024, threads=2, lookahead_cache=str(path)))
+    try:
+        toks = eng.prompt_tokens("Name three fruits, separated by commas.")
+        first = generate(eng, toks, 24, "lookahead")
+        assert path.exists()
+        drafter = eng.make_drafter("lookahead")
+        # the loaded trie holds the previous answer's n-grams (and no prompt branches)
+        assert drafter.trie.walk(first.tokens[:3]) is not None
+        assert drafter.trie.walk(toks[-4:]) is None or drafter.trie.walk(toks[-4:]).fp == 0
+        second = generate(eng, toks, 24, drafter=drafter, gpu_like=True)
+        assert second.tokens == first.tokens
+        assert second.stats.n_accept > 0  # the same question drafts from the saved answer
+    finally:
+        eng.close()
