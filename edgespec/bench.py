@@ -89,9 +89,8 @@ def run_bench(a, engine_cfg) -> int:
                     records.append({"id": item["id"], "category": item["category"], "method": m, "repeat": rep,
                                     "match": match, **g.stats.to_dict()})
                     prog.update(task, advance=1, info=f"{item['id']} {m} {g.stats.tokens_per_s:.0f} tok/s")
-
-    if getattr(a, "llama_cpp_bin", None):
-        records.extend(run_llama_cpp(a.llama_cpp_bin, eng, prompts, engine_cfg))
+                if getattr(a, "llama_cpp_bin", None):  # interleaved too, right after ours
+                    records.extend(run_llama_cpp(a.llama_cpp_bin, eng, [(item, toks, n)], engine_cfg, rep))
 
     order = methods + sorted({r["method"] for r in records} - set(methods), reverse=True)
     n_past = int(sum(len(t) for _, t, _ in prompts) / len(prompts))
@@ -240,7 +239,7 @@ _EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 
 
-def run_llama_cpp(bin_dir: str, eng, prompts, cfg) -> list[dict]:
+def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0) -> list[dict]:
     """llama.cpp's own llama-completion (plain) and llama-lookup on the same formatted prompts."""
     bind = Path(bin_dir)
     rows = []
@@ -264,7 +263,7 @@ def run_llama_cpp(bin_dir: str, eng, prompts, cfg) -> list[dict]:
                     tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
                     print(f"edgespec: {exe} gave no timing on {item['id']}: {tail}", file=sys.stderr)
                     continue
-                rows.append({"id": item["id"], "category": item["category"], "method": name, "repeat": 0,
+                rows.append({"id": item["id"], "category": item["category"], "method": name, "repeat": repeat,
                              "tokens_per_s": tps, "n_generated": n, "wall_s": time.perf_counter() - t0, "match": True})
         finally:
             os.unlink(pf)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass
 
@@ -160,7 +161,8 @@ def probe_exact_rows(ctx: Context, kv, seed: int = 1234) -> int:
     return limit
 
 
-def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layers: int = 0) -> CostModel:
+def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layers: int = 0,
+                    quiet: bool = True) -> CostModel:
     key = _key(ctx, n_gpu_layers)
     data: dict = {}
     try:
@@ -171,6 +173,9 @@ def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layer
             return CostModel.from_dict(rec)
     except (OSError, ValueError, KeyError, TypeError):
         data = {}
+    if not quiet and sys.stderr.isatty():
+        print(f"edgespec: measuring what verifying k tokens costs on this machine ({ctx.model.path.name}, "
+              f"{ctx.n_threads} threads; once, then cached)", file=sys.stderr)
     cm = measure(ctx, kv)
     data[key] = cm.to_dict()
     try:

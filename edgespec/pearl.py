@@ -308,13 +308,6 @@ class PearlGeneration:
         return ev
 
     def _clip(self, committed: list[int]) -> tuple[list[int], bool]:
-        out: list[int] = []
-        for t in committed:
-            if self.engine.target.is_eog(t):
-                self.stats.finish_reason = "stop"
-                return out, True
-            out.append(t)
-            if len(self.tokens) + len(out) >= self.max_tokens:
-                self.stats.finish_reason = "length"
-                return out, True
-        return out, False
+        from .runner import clip
+
+        return clip(self, committed)

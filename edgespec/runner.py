@@ -71,8 +71,8 @@ class Engine:
             )
             self.draft_kv = KVSeq(self.draft_ctx)  # one per context: its token list is the cache's
             self.draft_cost = load_or_measure(self.draft_ctx, self.draft_kv, cache_root() / "costs.json",
-                                              cfg.n_gpu_layers_draft)
-        self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers)
+                                              cfg.n_gpu_layers_draft, quiet)
+        self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet)
 
     # -- prompts --------------------------------------------------------------------------
 
@@ -245,18 +245,23 @@ class Generation:
         return sample(warp(logits, self.sampling), rng)
 
     def _clip(self, committed: list[int]) -> tuple[list[int], bool]:
-        """Cut a step's tokens at end-of-generation or the token limit."""
-        out: list[int] = []
-        is_eog = self.engine.target.is_eog
-        for t in committed:
-            if is_eog(t):
-                self.stats.finish_reason = "stop"
-                return out, True
-            out.append(t)
-            if len(self.tokens) + len(out) >= self.max_tokens:
-                self.stats.finish_reason = "length"
-                return out, True
-        return out, False
+        return clip(self, committed)
+
+
+def clip(gen, committed: list[int]) -> tuple[list[int], bool]:
+    """Cut a step's tokens at end-of-generation or the token limit (`gen`: any generation with
+    engine, tokens, max_tokens and stats); True when the generation is over."""
+    out: list[int] = []
+    is_eog = gen.engine.target.is_eog
+    for t in committed:
+        if is_eog(t):
+            gen.stats.finish_reason = "stop"
+            return out, True
+        out.append(t)
+        if len(gen.tokens) + len(out) >= gen.max_tokens:
+            gen.stats.finish_reason = "length"
+            return out, True
+    return out, False
 
 
 def _depth_counts(draft: Draft) -> tuple[int, ...]:
