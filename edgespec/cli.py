@@ -71,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(r)
     _add_sampling_args(r)
 
+    c = sub.add_parser("chat", help="chat in the terminal with live speculation stats (line by line when piped)",
+                       description="Chat with a local model. In a terminal: a full-screen UI; when standard input "
+                                   "or output is not a terminal: one prompt per input line, replies on stdout.")
+    c.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=512, help="most tokens per reply (default: %(default)s)")
+    c.add_argument("--system", default=None, help="system message")
+    _add_model_args(c)
+    _add_spec_args(c)
+    _add_sampling_args(c)
+
     pl = sub.add_parser("pull", help="fetch a catalog model (or variant) into the cache")
     pl.add_argument("name", help="catalog name, optionally name:q4_0|q4_1|q8_0|f16")
 
@@ -188,6 +197,45 @@ def cmd_run(a) -> int:
     return EXIT_INTERRUPTED if interrupted else 0
 
 
+def cmd_chat(a) -> int:
+    from .runner import Engine
+    from .sampling import SamplingConfig
+    from .session import ChatSession
+
+    _validate(a)
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    cfg = _engine_config(a)
+    if interactive:  # the drafter can be switched live: allow trees
+        from dataclasses import replace
+
+        cfg = replace(cfg, max_branches=8)
+    engine = Engine(cfg, quiet=not interactive)
+    session = ChatSession(engine, a.spec, SamplingConfig(a.temp, a.top_k, a.top_p, a.min_p, a.seed), a.n_predict, a.system)
+    if interactive:
+        try:
+            from edgespec.tui.app import run_app
+        except ImportError:
+            raise EdgespecError("the chat UI needs Textual: pip install textual") from None
+        return run_app(session)
+    return _chat_lines(session)
+
+
+def _chat_lines(session) -> int:
+    """Pipes and scripts: one prompt per line; the reply and a stats line for each."""
+    for line in sys.stdin:
+        text = line.strip()
+        if not text:
+            continue
+        try:
+            reply = session.send(text, lambda ev, piece: (sys.stdout.write(piece), sys.stdout.flush()))
+        except KeyboardInterrupt:
+            print("", file=sys.stdout)
+            return EXIT_INTERRUPTED
+        print("", flush=True)
+        print(f"[{session.method}] {reply.stats.summary()}", file=sys.stderr)
+    return 0
+
+
 def cmd_pull(a) -> int:
     from .models import resolve
 
@@ -239,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd is None:
         ap.print_help()
         return 2
-    handlers = {"run": cmd_run, "pull": cmd_pull, "models": cmd_models, "quantize": cmd_quantize, "bench": cmd_bench}
+    handlers = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "models": cmd_models, "quantize": cmd_quantize, "bench": cmd_bench}
     try:
         return handlers[a.cmd](a)
     except EdgespecError as e:

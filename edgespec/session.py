@@ -1,0 +1,112 @@
+"""A multi-turn chat over an Engine: the conversation, the drafter in use, stop and regenerate.
+
+Used by `edgespec chat` in both its forms (the Textual UI and the line-by-line mode for pipes);
+it knows nothing about either.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import ContextFullError
+from .events import Stats, StepEvent
+from .runner import Engine, TextStream
+from .sampling import SamplingConfig
+
+
+@dataclass
+class Reply:
+    text: str
+    tokens: list[int]
+    from_draft: list[bool]
+    stats: Stats
+    method: str
+    stopped: bool = False
+
+
+@dataclass
+class ChatSession:
+    engine: Engine
+    method: str = "auto"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_tokens: int = 512
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    total: Stats = field(default_factory=Stats)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.target.path.name
+
+    def piece(self, token: int) -> str:
+        return self.engine.target.detokenize([token])
+
+    def methods(self) -> list[str]:
+        out = ["none", "lookahead", "ngram"]
+        if self.engine.draft_model is not None:
+            out += ["draft", "auto", "pearl"]
+        else:
+            out += ["auto"]
+        return out
+
+    def clear(self) -> None:
+        self.messages.clear()
+
+    def stop(self) -> None:
+        """Ask the running reply to stop at the next step (callable from any thread)."""
+        self._stop.set()
+
+    def prompt_tokens(self) -> list[int]:
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+        return self.engine.prompt_tokens(messages=msgs)
+
+    def send(self, text: str, on_event: Callable[[StepEvent, str], None] | None = None) -> Reply:
+        self.messages.append({"role": "user", "content": text})
+        return self._reply(on_event)
+
+    def regenerate(self, on_event: Callable[[StepEvent, str], None] | None = None) -> Reply | None:
+        """Drop the last reply and answer the last user message again."""
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        if not self.messages:
+            return None
+        return self._reply(on_event)
+
+    def _reply(self, on_event) -> Reply:
+        self._stop.clear()
+        prompt = self.prompt_tokens()
+        room = self.engine.ctx.n_ctx - len(prompt)
+        if room < 2:
+            self.messages.pop()
+            raise ContextFullError(
+                f"the conversation ({len(prompt)} tokens) fills the context of {self.engine.ctx.n_ctx} tokens: clear it"
+            )
+        gen = self.engine.start(prompt, min(self.max_tokens, room - 1), self.sampling, self.method)
+        stream = TextStream(self.engine.target)
+        text, flags = [], []
+        stopped = False
+        for ev in gen:
+            piece = stream.feed(ev.tokens)
+            text.append(piece)
+            flags.extend(ev.from_draft)
+            if on_event is not None:
+                on_event(ev, piece)
+            if self._stop.is_set():
+                stopped = True
+                gen.stats.finish_reason = "interrupted"
+                break
+        text.append(stream.flush())
+        reply = Reply("".join(text), list(gen.tokens), flags, gen.stats, self.method, stopped)
+        # a stopped reply is kept: the user sees it, and the next turn builds on it
+        self.messages.append({"role": "assistant", "content": reply.text})
+        _add_totals(self.total, gen.stats)
+        return reply
+
+
+def _add_totals(total: Stats, st: Stats) -> None:
+    for name in ("n_prompt", "t_prompt", "n_generated", "n_steps", "n_drafted", "n_accept", "n_draft_steps",
+                 "t_draft", "t_verify", "t_gen"):
+        setattr(total, name, getattr(total, name) + getattr(st, name))

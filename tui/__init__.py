@@ -1,0 +1,1 @@
+"""The Textual chat UI (installed as edgespec.tui). The core never imports it."""
