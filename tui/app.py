@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.text import Text
 from textual import on, work
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
@@ -299,16 +299,27 @@ class ChatApp(App):
             self.exit()
 
     def action_next_drafter(self) -> None:
+        ms = self.session.methods()
+        cur = self.session.method
+        self.set_method(ms[(ms.index(cur) + 1) % len(ms)] if cur in ms else ms[0])
+
+    def get_system_commands(self, screen):
+        yield from super().get_system_commands(screen)
+        for m in self.session.methods():
+            yield SystemCommand(f"Drafter: {m}", f"Speculate with {m} from the next reply on",
+                                lambda m=m: self.set_method(m))
+        yield SystemCommand("Export conversation", "Write the conversation to a Markdown file", self.action_export)
+        yield SystemCommand("Clear conversation", "Start over with an empty context", self.action_clear)
+
+    def set_method(self, method: str) -> None:
         if self.busy:
             self.set_status("switch the drafter between replies")
             return
-        ms = self.session.methods()
-        cur = self.session.method
-        self.session.method = ms[(ms.index(cur) + 1) % len(ms)] if cur in ms else ms[0]
-        self.sub_title = f"{self.session.model_name} · {self.session.method}"
+        self.session.method = method
+        self.sub_title = f"{self.session.model_name} · {method}"
         self.reply_stats = Stats()
         self._refresh_stats(0.0)
-        self.set_status(f"drafter: {self.session.method}")
+        self.set_status(f"drafter: {method}")
 
     def action_regenerate(self) -> None:
         if self.busy or not self.session.messages:
