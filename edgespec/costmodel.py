@@ -36,7 +36,15 @@ class CostModel:
     # (see probe_exact_rows); verification never uses more rows, so greedy stays exact.
     max_exact_rows: int = 1 << 30
 
+    def __post_init__(self) -> None:
+        # Online correction, measured/predicted, for one-row and many-row decodes: a curve
+        # measured once under other load drifts from what decodes cost now.
+        self.ratio = [1.0, 1.0]
+
     def t(self, k: int, n_past: int = 0) -> float:
+        return self.predict(k, n_past) * self.ratio[0 if k <= 1 else 1]
+
+    def predict(self, k: int, n_past: int = 0) -> float:
         ks, ts = self.ks, self.ts
         extra = self.attn * k * max(0, n_past - self.n0)
         if k <= ks[0]:
@@ -47,6 +55,12 @@ class CostModel:
                 return ts[i - 1] + f * (ts[i] - ts[i - 1]) + extra
         slope = (ts[-1] - ts[-2]) / (ks[-1] - ks[-2])
         return ts[-1] + slope * (k - ks[-1]) + extra
+
+    def observe(self, k: int, n_past: int, seconds: float) -> None:
+        """Fold a measured decode of k rows into the correction (robust to outliers)."""
+        r = min(3.0, max(0.33, seconds / self.predict(k, n_past)))
+        b = 0 if k <= 1 else 1
+        self.ratio[b] = 0.95 * self.ratio[b] + 0.05 * r
 
     def best_size(self, probs: list[float], fixed_rows: int = 1, per_node: float = 0.0, margin: float = 0.02,
                   n_past: int = 0) -> int:

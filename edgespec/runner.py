@@ -157,7 +157,7 @@ class Generation:
 
     def __iter__(self) -> Iterator[StepEvent]:
         eng, st, cfg = self.engine, self.stats, self.sampling
-        ctx, kv, model = eng.ctx, eng.kv, eng.target
+        ctx, kv = eng.ctx, eng.kv
         rng = np.random.default_rng(cfg.seed)
         st.n_prompt = len(self.prompt)
         if not self.prompt:
@@ -213,7 +213,10 @@ class Generation:
                 t1 = time.perf_counter()
                 draft = self.drafter.propose(self.prompt + self.tokens, budget) if budget.max_nodes > 0 else Draft()
                 t2 = time.perf_counter()
+                n_before = kv.n
+                td = time.perf_counter()
                 layout = kv.decode_tree(pending, draft)
+                eng.cost.observe(len(pending) + len(draft), n_before, time.perf_counter() - td)
                 if cfg.greedy:
                     accepted, nxt = verify_greedy(draft, lambda n: int(np.argmax(ctx.logits(layout.row(n)))))
                 else:

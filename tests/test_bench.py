@@ -1,7 +1,6 @@
 """`edgespec bench` on a two-prompt suite with the real embedded model."""
 
 import json
-import types
 
 import pytest
 

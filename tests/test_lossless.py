@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import GREEDY, PROMPTS, Spy, generate
+from conftest import PROMPTS, Spy, generate
 from edgespec.runner import Engine, EngineConfig
 
 N = 64

@@ -100,6 +100,11 @@ def test_switch_drafter_and_clear(smol):
             assert [m["role"] for m in app.session.messages] == ["user", "assistant"]
             await pilot.press("ctrl+l")
             assert app.session.messages == [] and not list(app.query(Turn))
+            app.query_one(PromptInput).text = "You answer in French."
+            app.action_set_system()
+            assert app.session.system == "You answer in French."
+            app.set_method("ngram")
+            assert app.session.method == "ngram" and "ngram" in app.sub_title
 
     asyncio.run(run())
 

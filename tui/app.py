@@ -308,8 +308,16 @@ class ChatApp(App):
         for m in self.session.methods():
             yield SystemCommand(f"Drafter: {m}", f"Speculate with {m} from the next reply on",
                                 lambda m=m: self.set_method(m))
+        yield SystemCommand("Set system prompt", "Use the text in the prompt box as the system message",
+                            self.action_set_system)
         yield SystemCommand("Export conversation", "Write the conversation to a Markdown file", self.action_export)
         yield SystemCommand("Clear conversation", "Start over with an empty context", self.action_clear)
+
+    def action_set_system(self) -> None:
+        box = self.query_one(PromptInput)
+        self.session.system = box.text.strip() or None
+        box.clear()
+        self.set_status(f"system prompt: {self.session.system}" if self.session.system else "system prompt cleared")
 
     def set_method(self, method: str) -> None:
         if self.busy:
