@@ -203,11 +203,9 @@ class PearlGeneration:
                 tw = time.perf_counter()
                 have = job.wait_for(used + need) - used
                 t_wait = time.perf_counter() - tw
-                if have <= 0:
-                    job, used = None, 0  # the draft model could not go on (context end): plain step
-                    if carry is not None:
-                        raise EdgespecError("internal: draft ended while a verdict was carried")
-                    continue
+                if have <= 0:  # the draft model's context is full: stop as plain decoding would
+                    st.finish_reason = "context"
+                    return
                 n = min(need, have)
                 with job.cond:
                     draft = Draft.chain(job.tokens[used:used + n], job.probs[used:used + n] if not cfg.greedy else None, "pearl")

@@ -49,3 +49,17 @@ def test_pearl_needs_a_draft_model(smol):
 
     with pytest.raises(EdgespecError, match="-md"):
         smol.start(smol.prompt_tokens("hi"), 4, SamplingConfig(), "pearl")
+
+
+def test_pearl_stops_cleanly_at_a_full_context():
+    eng = Engine(EngineConfig(model="smollm2-135m-instruct:q8_0", draft="smollm2-135m-instruct:q4_0",
+                              n_ctx=256, threads=1, threads_draft=1, max_branches=1))
+    try:
+        toks = eng.prompt_tokens("Count from 1 to 100, separated by commas: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12")
+        plain = eng.start(toks, 400, SamplingConfig(), "none").run()
+        pearl = eng.start(toks, 400, SamplingConfig(), "pearl").run()
+        assert pearl.stats.finish_reason == "context" and plain.stats.finish_reason == "context"
+        assert pearl.tokens == plain.tokens[: len(pearl.tokens)]
+        assert len(toks) + len(pearl.tokens) <= 256
+    finally:
+        eng.close()
