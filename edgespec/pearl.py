@@ -28,6 +28,7 @@ from .errors import ContextFullError, EdgespecError
 from .events import Stats, StepEvent
 from .kv import KVSeq
 from .sampling import SamplingConfig, sample, warp
+from .verify import verify_greedy, verify_rejection_chain
 
 
 class _DraftJob:
@@ -257,48 +258,36 @@ class PearlGeneration:
         """Verify a chain. With `carry` (the target's verdict for the next position, from the
         last row of the previous batch) the first draft token is checked against it and the
         cache needs no pending row. Returns (accepted, token or None, new carry)."""
-        greedy = self.sampling.greedy
         if carry is not None:
-            x0 = draft.tokens[0]
-            if greedy:
-                ok = carry == x0
-                y = None if ok else carry
-            else:
-                p, q = carry, draft.probs[0]
-                ok = rng.random() * q[x0] <= p[x0]
-                y = None if ok else sample(np.maximum(p - q, 0.0) if (p - q).max() > 0 else p, rng)
-            if not ok:
+            head = Draft.chain(draft.tokens[:1], draft.probs[:1] if draft.probs else None)
+            acc, y = self._check(head, lambda node: carry, rng)
+            if not acc:
                 return [], y, None
+            x0 = draft.tokens[0]
             rest = Draft.chain(draft.tokens[1:], draft.probs[1:] if draft.probs else None)
-            layout = kv.decode_tree([x0], rest)
-            acc, y, carry2 = self._walk(layout, rest, rng)
-            kv.commit_tree(layout, [x0], rest, acc)
+            acc, y, carry2 = self._walk(kv, [x0], rest, rng)
             return [0] + [a + 1 for a in acc], y, carry2
-        layout = kv.decode_tree(pending, draft)
-        acc, y, carry2 = self._walk(layout, draft, rng)
-        kv.commit_tree(layout, pending, draft, acc)
-        return acc, y, carry2
+        return self._walk(kv, pending, draft, rng)
 
-    def _walk(self, layout, draft: Draft, rng):
-        """Rejection rule along the chain; when every token passes, the last row's verdict is
-        carried instead of drawing a bonus token (the next draft is checked against it)."""
-        cfg, ctx = self.sampling, self.engine.ctx
-        accepted: list[int] = []
-        for i, x in enumerate(draft.tokens):
-            r = layout.row(i - 1)
-            if cfg.greedy:
-                t = int(np.argmax(ctx.logits(r)))
-                if t != x:
-                    return accepted, t, None
-            else:
-                p, q = warp(ctx.logits(r), cfg), draft.probs[i]
-                if rng.random() * q[x] > p[x]:
-                    resid = np.maximum(p - q, 0.0)
-                    return accepted, sample(resid if resid.sum() > 0 else p, rng), None
-            accepted.append(i)
-        r = layout.row(len(draft.tokens) - 1)
-        verdict = int(np.argmax(ctx.logits(r))) if cfg.greedy else warp(ctx.logits(r), cfg)
-        return accepted, None, verdict
+    def _walk(self, kv: KVSeq, pending, draft: Draft, rng):
+        """Score pending + draft in one decode and apply the rule along the chain; when every
+        token passes, the last row's verdict is carried instead of drawing a bonus token."""
+        cfg, ctx = self.sampling, kv.ctx
+        layout = kv.decode_tree(pending, draft)
+        if cfg.greedy:
+            verdict = lambda node: int(np.argmax(ctx.logits(layout.row(node))))  # noqa: E731
+        else:
+            verdict = lambda node: warp(ctx.logits(layout.row(node)), cfg)  # noqa: E731
+        acc, y = self._check(draft, verdict, rng)
+        carry = verdict(len(draft.tokens) - 1) if y is None else None
+        kv.commit_tree(layout, pending, draft, acc)
+        return acc, y, carry
+
+    def _check(self, draft: Draft, verdict, rng):
+        """The shared verifiers, without the bonus draw."""
+        if self.sampling.greedy:
+            return verify_greedy(draft, verdict, bonus=False)
+        return verify_rejection_chain(draft, verdict, rng, bonus=False)
 
     def _emit(self, ev: StepEvent, out: list[int]) -> StepEvent:
         self.tokens.extend(out)

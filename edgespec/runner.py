@@ -175,6 +175,7 @@ class Generation:
         self.drafter.begin(self.prompt)
         t_start = time.perf_counter()
         pending = [first]
+        context = list(self.prompt)
         step_no = 0
         try:
             committed = [first]
@@ -183,6 +184,7 @@ class Generation:
             while True:
                 out, done = self._clip(committed)
                 self.tokens.extend(out)
+                context.extend(out)  # prompt + tokens, grown in place rather than rebuilt each step
                 st.t_gen = time.perf_counter() - t_start
                 acc_depths = tuple(range(1, len(accepted) + 1)) if draft.is_chain else tuple(draft.depths()[a] for a in accepted)
                 n_acc = min(len(accepted), len(out))  # a step cut at end-of-generation keeps fewer
@@ -211,12 +213,11 @@ class Generation:
                     n_past=kv.n,
                 )
                 t1 = time.perf_counter()
-                draft = self.drafter.propose(self.prompt + self.tokens, budget) if budget.max_nodes > 0 else Draft()
+                draft = self.drafter.propose(context, budget) if budget.max_nodes > 0 else Draft()
                 t2 = time.perf_counter()
                 n_before = kv.n
-                td = time.perf_counter()
                 layout = kv.decode_tree(pending, draft)
-                eng.cost.observe(len(pending) + len(draft), n_before, time.perf_counter() - td)
+                eng.cost.observe(len(pending) + len(draft), n_before, time.perf_counter() - t2)
                 if cfg.greedy:
                     accepted, nxt = verify_greedy(draft, lambda n: int(np.argmax(ctx.logits(layout.row(n)))))
                 else:

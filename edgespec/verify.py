@@ -14,16 +14,21 @@ from .draft import Draft
 from .sampling import sample
 
 
-def verify_greedy(draft: Draft, target_argmax: Callable[[int], int]) -> tuple[list[int], int]:
+def verify_greedy(
+    draft: Draft, target_argmax: Callable[[int], int], bonus: bool = True
+) -> tuple[list[int], int | None]:
     """Walk the tree along the target's argmax; keep the longest matching path.
 
     The token that stops the walk is the target's own next token (the bonus when the walk ends
-    at a leaf), so every step commits at least one token.
+    at a leaf), so every step commits at least one token. With `bonus=False` a walk that ends
+    at a leaf returns None instead (PEARL carries that verdict to its next draft).
     """
     kids = draft.children()
     accepted: list[int] = []
     node = -1
     while True:
+        if not bonus and draft.tokens and node not in kids:
+            return accepted, None
         t = target_argmax(node)
         nxt = next((c for c in kids.get(node, ()) if draft.tokens[c] == t), None)
         if nxt is None:
@@ -51,13 +56,13 @@ def verify_sampled_tree(
 
 
 def verify_rejection_chain(
-    draft: Draft, target_probs: Callable[[int], np.ndarray], rng: np.random.Generator
-) -> tuple[list[int], int]:
+    draft: Draft, target_probs: Callable[[int], np.ndarray], rng: np.random.Generator, bonus: bool = True
+) -> tuple[list[int], int | None]:
     """The standard rejection rule for a chain sampled from draft distributions q.
 
     Accept x_i with probability min(1, p(x_i)/q(x_i)); on the first rejection draw from the
     normalized residual max(0, p - q); when every token is accepted draw a bonus token from p
-    at the last row.
+    at the last row (with `bonus=False`, return None there instead).
     """
     assert draft.probs is not None
     accepted: list[int] = []
@@ -71,4 +76,6 @@ def verify_rejection_chain(
                 resid = p
             return accepted, sample(resid, rng)
         accepted.append(i)
+    if not bonus:
+        return accepted, None
     return accepted, sample(target_probs(len(draft.tokens) - 1), rng)

@@ -106,3 +106,13 @@ def test_sampled_tree_follows_target_and_uses_branches():
     assert _chisq_ok(first, P0)
     assert _chisq_ok(second_after_1, P1)
     assert used_branch[0] > 0 and used_branch[2] > 0
+
+
+def test_without_bonus_a_fully_accepted_chain_returns_none():
+    """PEARL carries the last verdict instead of drawing a bonus token."""
+    d = Draft.chain([5, 6])
+    assert verify_greedy(d, {-1: 5, 0: 6}.__getitem__, bonus=False) == ([0, 1], None)
+    assert verify_greedy(d, {-1: 5, 0: 7}.__getitem__, bonus=False) == ([0], 7)
+    rng = np.random.default_rng(0)
+    same = Draft.chain([1, 1], probs=[P1, P1])
+    assert verify_rejection_chain(same, {-1: P1, 0: P1}.__getitem__, rng, bonus=False) == ([0, 1], None)
