@@ -80,6 +80,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(c)
     _add_sampling_args(c)
 
+    bt = sub.add_parser(
+        "batch", help="run a JSONL file of requests (OpenAI batch format), several sequences at once",
+        description="Run a JSONL file of requests through the local model. Input lines follow the OpenAI batch "
+                    "format ({custom_id, method, url, body}) or are bare {\"prompt\"} / {\"messages\"} objects. "
+                    "Every line gets one output line, written as soon as it is complete (in completion order); "
+                    "a rerun on the same output skips what is done.")
+    bt.add_argument("-i", "--input", required=True, help="input JSONL file, or - for standard input")
+    bt.add_argument("-o", "--output", required=True, help="output JSONL file (appended; resumed when it exists), or - for standard output")
+    bt.add_argument("-np", "--parallel", type=int, default=1,
+                    help="sequences decoded together in each llama_decode (default: %(default)s); with more than one, "
+                         "--spec is none, ngram, lookahead or auto, and -c is the context of each sequence")
+    bt.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=256,
+                    help="max_tokens for requests that do not set it (default: %(default)s)")
+    res = bt.add_mutually_exclusive_group()
+    res.add_argument("--resume", action="store_true", help="skip requests already in the output (the default)")
+    res.add_argument("--overwrite", action="store_true", help="start the output file afresh instead of resuming")
+    bt.add_argument("--compare", action="store_true",
+                    help="then run the same requests with --spec none (not written) and report the speedup")
+    bt.add_argument("--stats", default=None, metavar="FILE", help="write the summary as JSON to FILE")
+    bt.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_model_args(bt)
+    _add_spec_args(bt)
+    _add_sampling_args(bt)
+
     pl = sub.add_parser("pull", help="fetch a catalog model (or variant) into the cache")
     pl.add_argument("name", help="catalog name, optionally name:q4_0|q4_1|q8_0|f16")
 
@@ -100,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=1, help="runs per prompt and method (default: %(default)s)")
     b.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     b.add_argument("--out", default=None, help="folder for report.json")
+    b.add_argument("--parallel", default=None, metavar="N,N,...",
+                   help="measure batch throughput instead: the suite as one batch (as `edgespec batch`) with each "
+                        "number of sequences per decode, e.g. 1,4")
     b.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
                    help="also run llama.cpp's llama-completion and llama-lookup from DIR on the same prompts")
     _add_model_args(b)
@@ -274,6 +301,30 @@ def cmd_quantize(a) -> int:
     return 0
 
 
+def cmd_batch(a) -> int:
+    from dataclasses import replace
+
+    from .batch import run_batch
+
+    _validate(a)
+    if a.parallel < 1:
+        raise EdgespecError("-np must be at least 1")
+    if a.parallel > 64:
+        raise EdgespecError("-np must be at most 64")
+    if a.parallel > 1 and a.spec not in ("none", "ngram", "lookahead", "auto"):
+        raise EdgespecError(f"--spec {a.spec} decodes one sequence at a time: use -np 1, or --spec lookahead")
+    cfg = _engine_config(a)
+    if a.parallel > 1:  # the engine's own context only measures costs; batch contexts hold chains
+        cfg = replace(cfg, max_branches=1)
+    if hasattr(signal, "SIGTERM"):  # `kill`: stop like Ctrl+C, keeping every finished result
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+    return run_batch(a, cfg)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def cmd_bench(a) -> int:
     from .bench import run_bench
 
@@ -287,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd is None:
         ap.print_help()
         return 2
-    handlers = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "models": cmd_models, "quantize": cmd_quantize, "bench": cmd_bench}
+    handlers = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "models": cmd_models, "quantize": cmd_quantize, "bench": cmd_bench,
+                "batch": cmd_batch}
     try:
         return handlers[a.cmd](a)
     except EdgespecError as e:

@@ -56,9 +56,18 @@ class CostModel:
         slope = (ts[-1] - ts[-2]) / (ks[-1] - ks[-2])
         return ts[-1] + slope * (k - ks[-1]) + extra
 
-    def observe(self, k: int, n_past: int, seconds: float) -> None:
+    def t_multi(self, rows: int, row_tokens: int) -> float:
+        """One decode of `rows` rows from several sequences, `row_tokens` being the sum over rows
+        of the tokens each row attends to (its own sequence's cache): batch mode."""
+        return self.predict_multi(rows, row_tokens) * self.ratio[0 if rows <= 1 else 1]
+
+    def predict_multi(self, rows: int, row_tokens: int) -> float:
+        return self.predict(rows, 0) + self.attn * max(0, row_tokens - rows * self.n0)
+
+    def observe(self, k: int, n_past: int, seconds: float, predicted: float | None = None) -> None:
         """Fold a measured decode of k rows into the correction (robust to outliers)."""
-        r = min(3.0, max(0.33, seconds / self.predict(k, n_past)))
+        pred = self.predict(k, n_past) if predicted is None else predicted
+        r = min(3.0, max(0.33, seconds / pred))
         b = 0 if k <= 1 else 1
         self.ratio[b] = 0.95 * self.ratio[b] + 0.05 * r
 

@@ -1,8 +1,10 @@
 """The one place that moves KV positions: token count and KV position change together.
 
-`KVSeq.tokens[i]` sits at position i of sequence 0. Tokens that are committed but not yet in the
-cache (the last sampled token, or verified tree tokens that must be re-laid) are `pending`: the
-next decode carries them first. Tree branches borrow sequence ids 1..B-1 for one decode only.
+`KVSeq.tokens[i]` sits at position i of its sequence (0 unless the context holds several).
+Tokens that are committed but not yet in the cache (the last sampled token, or verified tree
+tokens that must be re-laid) are `pending`: the next decode carries them first. Tree branches
+borrow sequence ids 1..B-1 for one decode only. `decode_chains` scores several sequences, each
+with its own chain draft, in one decode (batch mode).
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ class TreeLayout:
 
 
 class KVSeq:
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, seq: int = 0):
+        """`seq`: this sequence's id; other than 0 only in a context of one stream per sequence,
+        where several KVSeqs share the context and each may clear only its own cells."""
         self.ctx = ctx
+        self.seq = seq
+        self.capacity = ctx.n_ctx_seq
         self.tokens: list[int] = []
 
     @property
@@ -38,16 +44,19 @@ class KVSeq:
         return len(self.tokens)
 
     def room(self) -> int:
-        return self.ctx.n_ctx - len(self.tokens)
+        return self.capacity - len(self.tokens)
 
     def reset(self) -> None:
-        self.ctx.mem_clear()
+        if self.ctx.n_ctx_seq == self.ctx.n_ctx:
+            self.ctx.mem_clear()
+        else:
+            self.ctx.mem_seq_rm(self.seq, -1, -1)
         self.tokens = []
 
     def truncate(self, n: int) -> None:
         if n >= len(self.tokens):
             return
-        if not self.ctx.mem_seq_rm(0, n, -1):
+        if not self.ctx.mem_seq_rm(self.seq, n, -1):
             # A cache that cannot drop a tail (recurrent state) starts again from empty.
             keep = self.tokens[:n]
             self.reset()
@@ -74,9 +83,9 @@ class KVSeq:
         """Decode `new` after the cache in chunks; return the output row of the last token.
 
         `all_rows` asks logits for every row (one chunk only: used by the cost probes)."""
-        if len(self.tokens) + len(new) > self.ctx.n_ctx:
+        if len(self.tokens) + len(new) > self.capacity:
             raise ContextFullError(
-                f"{len(self.tokens) + len(new)} tokens do not fit in a context of {self.ctx.n_ctx} (raise -c)"
+                f"{len(self.tokens) + len(new)} tokens do not fit in a context of {self.capacity} (raise -c)"
             )
         step = self.ctx.n_batch
         if all_rows and len(new) > step:
@@ -90,7 +99,8 @@ class KVSeq:
             if last and want_logits:
                 outputs[-1] = True
                 row = len(chunk) - 1
-            self.ctx.decode(chunk, list(range(base, base + len(chunk))), None, outputs)
+            ids = None if self.seq == 0 else [(self.seq,)] * len(chunk)
+            self.ctx.decode(chunk, list(range(base, base + len(chunk))), ids, outputs)
             self.tokens.extend(chunk)
         return row
 
@@ -153,3 +163,42 @@ class KVSeq:
         self.tokens.extend(pending)
         self.tokens.extend(draft.tokens[a] for a in accepted[:j])
         return [draft.tokens[a] for a in accepted[j:]]
+
+    def commit_chain(self, pending: list[int], accepted: list[int]) -> None:
+        """After `decode_chains`: keep the pending tokens and the accepted draft prefix (the
+        first `len(accepted)` draft cells), drop the rest of the draft's cells."""
+        keep = len(self.tokens) + len(pending) + len(accepted)
+        self.ctx.mem_seq_rm(self.seq, keep, -1)
+        self.tokens.extend(pending)
+        self.tokens.extend(accepted)
+
+
+def decode_chains(ctx: Context, items: list[tuple[KVSeq, list[int], list[int]]]) -> list[int]:
+    """Score several sequences in ONE decode: for each (kv, pending, chain) the rows are the
+    pending tokens then the chain, in the sequence's own id; logits for the last pending token
+    and every chain token. Returns each item's root row (its last pending token); chain node i
+    is row root + 1 + i.
+
+    In a context with one stream per sequence, llama.cpp computes a decode in one pass only when
+    every sequence brings the same number of rows and their ids are consecutive; the caller pads
+    chains to equal length.
+    """
+    tokens: list[int] = []
+    positions: list[int] = []
+    seq_ids: list[tuple[int, ...]] = []
+    outputs: list[bool] = []
+    roots: list[int] = []
+    for kv, pending, chain in items:
+        if not pending:
+            raise EdgespecError("internal: a decode needs at least one pending token")
+        if kv.n + len(pending) + len(chain) > kv.capacity:
+            raise ContextFullError(f"context full ({kv.capacity} tokens per sequence)")
+        base = kv.n
+        roots.append(len(tokens) + len(pending) - 1)
+        rows = list(pending) + list(chain)
+        tokens.extend(rows)
+        positions.extend(range(base, base + len(rows)))
+        seq_ids.extend([(kv.seq,)] * len(rows))
+        outputs.extend([False] * (len(pending) - 1) + [True] * (1 + len(chain)))
+    ctx.decode(tokens, positions, seq_ids, outputs)
+    return roots

@@ -181,6 +181,10 @@ class ContextConfig:
     n_threads: int = 0  # 0: all cores
     n_seq_max: int = 16  # tree drafts use one sequence id per branch
     kv_type: str = "q8_0"  # see KV_TYPES
+    # One cache shared by all sequence ids (tree branches need it), or one stream of n_ctx/n_seq_max
+    # cells per sequence (batch decoding: a sequence's cells then stay in position order, which
+    # keeps its logits bit-identical to decoding it alone). None: unified when n_seq_max > 1.
+    unified: bool | None = None
 
 
 # KV cache types. q8_0 is the default because it keeps greedy speculation bit-exact on a CPU: with
@@ -216,12 +220,14 @@ class Context:
         # Rollback needs the whole sliding-window cache (Gemma 3): a pruned window cannot be undone.
         p.swa_full = True
         # Tree branches share the prompt's cells; one unified cache makes that a metadata copy.
-        p.kv_unified = cfg.n_seq_max > 1
+        p.kv_unified = cfg.n_seq_max > 1 if cfg.unified is None else cfg.unified
         ctx = lc.llama_init_from_model(model.ptr, p)
         if not ctx:
             raise ModelError(f"cannot create a llama.cpp context for {model.path}: {last_log_error()}")
         self.ptr = ctx
         self.n_ctx = int(lc.llama_n_ctx(ctx))
+        # cells one sequence can use: all of them in a unified cache, its own stream's otherwise
+        self.n_ctx_seq = self.n_ctx if p.kv_unified else self.n_ctx // max(1, cfg.n_seq_max)
         self.n_batch = int(lc.llama_n_batch(ctx))  # llama.cpp clamps it to the context size
         self.n_threads = threads
         self.mem = lc.llama_get_memory(ctx)

@@ -43,6 +43,16 @@ class Candidate:
     path: float  # calibrated chance that the whole path to this node is accepted
 
 
+class Cursor:
+    """Where one request's insertion stands: several requests can feed one trie at once."""
+
+    __slots__ = ("done", "partial")
+
+    def __init__(self) -> None:
+        self.done = 0  # every window starting before this is complete
+        self.partial: dict[int, int] = {}  # start -> length inserted so far (tail windows)
+
+
 class TokenTrie:
     def __init__(self, window: int = 16, capacity: int = 500_000, alpha: float = 0.5, max_children: int = 4):
         self.window = window
@@ -55,26 +65,28 @@ class TokenTrie:
 
     # -- insertion ------------------------------------------------------------------------
 
-    def start_request(self) -> None:
-        """Forget the insertion cursor of the previous request (its counts stay)."""
-        self._done = 0  # every window starting before this is complete
-        self._partial: dict[int, int] = {}  # start -> length inserted so far (tail windows)
+    def start_request(self) -> Cursor:
+        """Forget the insertion cursor of the previous request (its counts stay); also returns
+        a fresh cursor for callers that feed the trie from several requests at once."""
+        self._cursor = Cursor()
+        return Cursor()
 
-    def extend(self, tokens: list[int], source: int) -> None:
+    def extend(self, tokens: list[int], source: int, cursor: Cursor | None = None) -> None:
         """Insert the windows of `tokens` not inserted yet (call as the sequence grows)."""
+        cur = cursor or self._cursor
         n, w = len(tokens), self.window
-        i = self._done
+        i = cur.done
         while i < n:
             length = min(w, n - i)
-            have = self._partial.get(i, 0)
+            have = cur.partial.get(i, 0)
             if length > have:
                 self._insert(tokens, i, length, have, source)
             if length == w:
-                self._partial.pop(i, None)
-                if i == self._done:
-                    self._done = i + 1
+                cur.partial.pop(i, None)
+                if i == cur.done:
+                    cur.done = i + 1
             else:
-                self._partial[i] = length
+                cur.partial[i] = length
             i += 1
         if self.n_nodes > self.capacity:
             self.prune(int(self.capacity * 0.8))

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..draft import Draft
-from ..trie import OUTPUT, PROMPT, TokenTrie
+from ..trie import OUTPUT, PROMPT, Cursor, TokenTrie
 from .base import Budget, Calibration
 
 
@@ -28,7 +28,11 @@ class LookaheadDrafter:
         max_branches: int = 8,
         cache_path: str | Path | None = None,
         trie: TokenTrie | None = None,
+        shared: bool = False,
+        calib: dict[int, Calibration] | None = None,
     ):
+        """`shared`: the trie is fed by several requests at once (batch mode); each drafter keeps
+        its own insertion cursor, and prompt branches stay until the owner releases them."""
         self.cache_path = Path(cache_path) if cache_path else None
         if trie is None and self.cache_path and self.cache_path.exists():
             try:
@@ -36,22 +40,23 @@ class LookaheadDrafter:
             except (OSError, ValueError, KeyError) as e:
                 print(f"edgespec: ignoring unreadable lookahead cache {self.cache_path}: {e}", file=sys.stderr)
         self.trie = trie or TokenTrie(window=window)
+        self.shared = shared
+        self._cursor = Cursor()
         self.max_match = max_match
         self.max_nodes = max_nodes
         self.max_branches = max_branches
-        # calibration per matched suffix length; a one-token match predicts little at first
-        self.calib = {s: Calibration(prior=min(1.0, 0.4 + 0.15 * s)) for s in range(1, max_match + 1)}
+        self.calib = calib if calib is not None else new_calibration(max_match)
         self._skipped = 0
         self._s = 1
         self.last_branches = 0
 
     def begin(self, prompt: list[int]) -> None:
-        self.trie.start_request()
-        self.trie.extend(prompt, PROMPT)
+        self._cursor = Cursor()
+        self.trie.extend(prompt, PROMPT, self._cursor)
         self._n_prompt = len(prompt)
 
     def propose(self, context: list[int], budget: Budget) -> Draft:
-        self.trie.extend(context, OUTPUT)
+        self.trie.extend(context, OUTPUT, self._cursor)
         node, s = self.trie.match(context, self.max_match)
         limit = min(self.max_nodes, budget.max_nodes)
         if node is None or limit <= 0:
@@ -74,12 +79,19 @@ class LookaheadDrafter:
             self.calib[self._s].update(draft, accepted)
 
     def end(self) -> None:
+        if self.shared:
+            return
         self.trie.release_prompt()
         if self.cache_path:
             try:
                 self.trie.save(self.cache_path)
             except OSError as e:
                 print(f"edgespec: cannot save lookahead cache {self.cache_path}: {e.strerror}", file=sys.stderr)
+
+
+def new_calibration(max_match: int = 8) -> dict[int, Calibration]:
+    """One factor per matched suffix length; a one-token match predicts little at first."""
+    return {s: Calibration(prior=min(1.0, 0.4 + 0.15 * s)) for s in range(1, max_match + 1)}
 
 
 def _as_tree(cands, source: str) -> Draft:

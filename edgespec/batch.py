@@ -1,0 +1,727 @@
+"""`edgespec batch`: a JSONL file of requests (OpenAI batch format) through the local model.
+
+Every input line gets exactly one output line, written and flushed (and fsynced) the moment its
+request is complete, in completion order; match lines by `custom_id`. A line that cannot be
+served (bad JSON, an unknown field, a prompt too long) gets an output line with `error` filled
+and the batch goes on. Started again on the same output file, a batch skips what is already
+there, so an interrupted run (Ctrl+C, kill, power loss) resumes without duplicates.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .errors import ContextFullError, EdgespecError
+from .events import Stats
+from .sampling import SamplingConfig
+
+CHAT_URL, TEXT_URL = "/v1/chat/completions", "/v1/completions"
+LINE_KEYS = {"custom_id", "method", "url", "body"}
+# Request body fields we serve; the value check for each is in `_sampling` and `parse_line`.
+BODY_KEYS = {
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "seed", "stop", "n", "stream", "user", "frequency_penalty", "presence_penalty", "logprobs",
+}
+DUPLICATE = "duplicate_custom_id"
+EXIT_SOME_FAILED = 4
+
+
+class RequestError(Exception):
+    """A request that cannot be served: becomes that request's error line."""
+
+    def __init__(self, message: str, code: str = "invalid_request", status: int = 400):
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+@dataclass
+class Request:
+    line_no: int
+    custom_id: str
+    url: str = CHAT_URL
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    max_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop: list[str] = field(default_factory=list)
+    error: RequestError | None = None  # set when the line cannot be served
+    duplicate_of: int | None = None  # line number of the first line with this custom_id
+
+
+@dataclass(frozen=True)
+class Defaults:
+    max_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+# -- input --------------------------------------------------------------------------------
+
+
+def parse_line(text: str, line_no: int, defaults: Defaults) -> Request:
+    """One input line -> a Request (with `error` set when it cannot be served)."""
+    fallback_id = f"line-{line_no}"
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return Request(line_no, fallback_id, error=RequestError(f"line {line_no} is not valid JSON: {e.msg}",
+                                                                "invalid_json"))
+    if not isinstance(obj, dict):
+        return Request(line_no, fallback_id, error=RequestError(f"line {line_no} is not a JSON object", "invalid_json"))
+    cid = obj.get("custom_id", fallback_id)
+    if not isinstance(cid, str) or not cid:
+        return Request(line_no, fallback_id, error=RequestError("custom_id must be a non-empty string"))
+    req = Request(line_no, cid, max_tokens=defaults.max_tokens, sampling=defaults.sampling)
+    try:
+        _fill(req, obj, defaults)
+    except RequestError as e:
+        req.error = e
+    return req
+
+
+def _fill(req: Request, obj: dict, defaults: Defaults) -> None:
+    if "body" in obj:
+        unknown = sorted(set(obj) - LINE_KEYS)
+        if unknown:
+            raise RequestError(f"unknown field {unknown[0]!r} (a line has custom_id, method, url, body)",
+                               "unknown_field")
+        method = obj.get("method", "POST")
+        if method != "POST":
+            raise RequestError(f"method must be POST, not {method!r}")
+        body = obj["body"]
+        if not isinstance(body, dict):
+            raise RequestError("body must be a JSON object")
+        url = obj.get("url")
+        if url is None:
+            url = CHAT_URL if "messages" in body else TEXT_URL
+        if url not in (CHAT_URL, TEXT_URL):
+            raise RequestError(f"unsupported url {url!r}: use {CHAT_URL} or {TEXT_URL}", "unsupported_url", 404)
+    else:  # a bare request: {"prompt": ...} or {"messages": ...}, custom_id optional
+        body = {k: v for k, v in obj.items() if k != "custom_id"}
+        if "messages" in body:
+            url = CHAT_URL
+        elif "prompt" in body:
+            url = TEXT_URL
+        else:
+            raise RequestError("a line needs a body, or messages or prompt")
+    unknown = sorted(set(body) - BODY_KEYS)
+    if unknown:
+        raise RequestError(f"unknown field {unknown[0]!r} in body", "unknown_field")
+    req.url = url
+    if url == CHAT_URL:
+        if "prompt" in body:
+            raise RequestError(f"{CHAT_URL} takes messages, not prompt")
+        req.messages = _messages(body.get("messages"))
+    else:
+        if "messages" in body:
+            raise RequestError(f"{TEXT_URL} takes prompt, not messages")
+        req.prompt = _prompt(body.get("prompt"))
+    mt = body.get("max_completion_tokens", body.get("max_tokens", defaults.max_tokens))
+    if mt is None:
+        mt = defaults.max_tokens
+    if not _is_int(mt) or mt < 1:
+        raise RequestError("max_tokens must be a positive integer")
+    req.max_tokens = mt
+    req.sampling = _sampling(body, defaults.sampling)
+    req.stop = _stop(body.get("stop"))
+    if body.get("n", 1) != 1:
+        raise RequestError("only n=1 is supported", "unsupported")
+    if body.get("stream", False):
+        raise RequestError("stream is not supported in a batch", "unsupported")
+    if body.get("logprobs"):
+        raise RequestError("logprobs are not supported", "unsupported")
+    for k in ("frequency_penalty", "presence_penalty"):
+        if body.get(k, 0) not in (0, 0.0, None):
+            raise RequestError(f"{k} is not supported (it would change the model's distribution)", "unsupported")
+    if "model" in body and not isinstance(body["model"], str):
+        raise RequestError("model must be a string")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _messages(msgs: Any) -> list[dict]:
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise RequestError(f"messages[{i}] needs role and content")
+        role, content = m["role"], m["content"]
+        if role not in ("system", "developer", "user", "assistant"):
+            raise RequestError(f"messages[{i}].role {role!r} is not supported")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(f"messages[{i}].content: only text parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _prompt(p: Any) -> str:
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if not isinstance(p, str):
+        raise RequestError("prompt must be a string")
+    if not p:
+        raise RequestError("prompt is empty")
+    return p
+
+
+def _sampling(body: dict, d: SamplingConfig) -> SamplingConfig:
+    temp = body.get("temperature", d.temp)
+    top_p = body.get("top_p", d.top_p)
+    top_k = body.get("top_k", d.top_k)
+    min_p = body.get("min_p", d.min_p)
+    seed = body.get("seed", d.seed)
+    temp = d.temp if temp is None else temp
+    top_p = d.top_p if top_p is None else top_p
+    if not _is_num(temp) or not 0 <= temp <= 2:
+        raise RequestError("temperature must be a number in [0, 2]")
+    if not _is_num(top_p) or not 0 < top_p <= 1:
+        raise RequestError("top_p must be a number in (0, 1]")
+    if not _is_int(top_k) or top_k < 0:
+        raise RequestError("top_k must be a non-negative integer")
+    if not _is_num(min_p) or not 0 <= min_p <= 1:
+        raise RequestError("min_p must be a number in [0, 1]")
+    if seed is not None and not _is_int(seed):
+        raise RequestError("seed must be an integer")
+    return SamplingConfig(float(temp), int(top_k), float(top_p), float(min_p), seed)
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("stop must be a non-empty string or a list of up to 4 of them")
+    return stop
+
+
+def read_requests(lines: list[str], defaults: Defaults) -> list[Request]:
+    """Parse every non-blank line; later lines that repeat a custom_id are marked duplicates."""
+    out: list[Request] = []
+    first: dict[str, int] = {}
+    for i, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        req = parse_line(text, i, defaults)
+        if req.custom_id in first:
+            req.duplicate_of = first[req.custom_id]
+            req.error = RequestError(
+                f"custom_id {req.custom_id!r} was already used on line {req.duplicate_of}; not run twice", DUPLICATE
+            )
+        else:
+            first[req.custom_id] = i
+        out.append(req)
+    return out
+
+
+# -- output -------------------------------------------------------------------------------
+
+
+def ok_record(req: Request, text: str, finish: str, st: Stats, model: str, method: str, drafter: str) -> dict:
+    created = int(time.time())
+    n_out = st.n_generated
+    if req.url == CHAT_URL:
+        body = {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish}],
+        }
+    else:
+        body = {
+            "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
+    body["usage"] = {"prompt_tokens": st.n_prompt, "completion_tokens": n_out, "total_tokens": st.n_prompt + n_out}
+    body["speculative"] = {
+        "method": method, "drafter": drafter, "steps": st.n_steps, "drafted_tokens": st.n_drafted,
+        "accepted_tokens": st.n_accept, "acceptance_rate": round(st.acceptance_rate, 4),
+        "mean_accepted_length": round(st.mean_accepted_length, 4), "tokens_per_s": round(st.tokens_per_s, 2),
+        "prompt_s": round(st.t_prompt, 4), "generation_s": round(st.t_gen, 4),
+    }
+    return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": req.custom_id,
+            "response": {"status_code": 200, "request_id": body["id"], "body": body}, "error": None}
+
+
+def error_record(req: Request, err: RequestError) -> dict:
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": req.custom_id,
+        "response": {"status_code": err.status, "request_id": None,
+                     "body": {"error": {"message": str(err), "type": "invalid_request_error" if err.status < 500
+                                        else "server_error", "param": None, "code": err.code}}},
+        "error": {"code": err.code, "message": str(err), "line": req.line_no},
+    }
+
+
+class Writer:
+    """Appends one JSON line per result with a single write, then flushes it to disk."""
+
+    def __init__(self, path: str, overwrite: bool = False):
+        self.path = path
+        if path == "-":
+            self.fd = sys.stdout.fileno()
+            self.sync = False
+        else:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if overwrite else 0)
+            try:
+                self.fd = os.open(path, flags, 0o644)
+            except OSError as e:
+                raise EdgespecError(f"cannot open output {path}: {e.strerror}") from None
+            self.sync = True
+
+    def write(self, rec: dict) -> None:
+        data = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
+        view = memoryview(data)
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+        if self.sync:
+            os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.path != "-":
+            os.close(self.fd)
+
+
+@dataclass
+class Done:
+    """What an existing output file already holds."""
+
+    ids: set = field(default_factory=set)  # custom_ids with a result (ok or failed)
+    duplicates: Counter = field(default_factory=Counter)  # duplicate-id error lines per custom_id
+    lines: int = 0
+    repaired: int = 0  # bytes of a torn last line removed
+
+
+def scan_output(path: str) -> Done:
+    """Read what an earlier run wrote; cut a last line torn by a kill so appends stay valid."""
+    done = Done()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return done
+    except OSError as e:
+        raise EdgespecError(f"cannot read output {path}: {e.strerror}") from None
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        done.repaired = len(data) - end
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    for n, raw in enumerate(data[:end].splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            cid = rec["custom_id"]
+        except (ValueError, KeyError, TypeError):
+            raise EdgespecError(f"{path} line {n} is not a batch result; give another -o or --overwrite") from None
+        err = rec.get("error") or {}
+        if isinstance(err, dict) and err.get("code") == DUPLICATE:
+            done.duplicates[cid] += 1
+        else:
+            done.ids.add(cid)
+        done.lines += 1
+    return done
+
+
+def pending_requests(reqs: list[Request], done: Done) -> list[Request]:
+    """The requests an earlier run did not finish (each custom_id at most once, duplicates by count)."""
+    dup_seen: Counter = Counter()
+    todo = []
+    for r in reqs:
+        if r.duplicate_of is not None:
+            dup_seen[r.custom_id] += 1
+            if dup_seen[r.custom_id] <= done.duplicates[r.custom_id]:
+                continue
+        elif r.custom_id in done.ids:
+            continue
+        todo.append(r)
+    return todo
+
+
+# -- stop strings -------------------------------------------------------------------------
+
+
+class TextTracker:
+    """Generated text so far, cut at the first stop string."""
+
+    def __init__(self, model, stops: list[str]):
+        self.model = model
+        self.stops = stops
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self.hit = False
+        self._longest = max((len(s) for s in stops), default=0)
+
+    def feed(self, tokens) -> bool:
+        """Add tokens; True when a stop string has appeared (the text is cut before it)."""
+        if self.hit:
+            return True
+        start = max(0, len(self.text) - self._longest)
+        self.text += self._dec.decode(b"".join(self.model.piece(t) for t in tokens))
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i >= 0:
+                self.text = self.text[:i]
+                self.hit = True
+        return self.hit
+
+    def final(self) -> str:
+        if not self.hit:
+            self.text += self._dec.decode(b"", final=True)
+        return self.text
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+@dataclass
+class Totals:
+    ok: int = 0
+    failed: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    t_prompt: float = 0.0  # prompt processing, summed (it runs one request at a time)
+    wall: float = 0.0
+    outputs: dict = field(default_factory=dict)  # custom_id -> generated token ids
+
+    def add(self, st: Stats) -> None:
+        self.ok += 1
+        self.tokens_in += st.n_prompt
+        self.tokens_out += st.n_generated
+        self.drafted += st.n_drafted
+        self.accepted += st.n_accept
+        self.steps += st.n_steps
+        self.t_prompt += st.t_prompt
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens_out / self.wall if self.wall > 0 else 0.0
+
+    @property
+    def decode_throughput(self) -> float:
+        """Generated tokens per second of wall time outside prompt processing."""
+        t = self.wall - self.t_prompt
+        return self.tokens_out / t if t > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "requests": self.ok + self.failed, "ok": self.ok, "failed": self.failed, "tokens_in": self.tokens_in,
+            "tokens_out": self.tokens_out, "wall_s": round(self.wall, 3), "tokens_per_s": round(self.throughput, 2),
+            "prompt_s": round(self.t_prompt, 3), "decode_tokens_per_s": round(self.decode_throughput, 2),
+            "drafted": self.drafted, "accepted": self.accepted,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "mean_accepted_length": round(self.tokens_out / self.steps, 4) if self.steps else 0.0,
+        }
+
+
+def _finish_reason(st: Stats, tracker: TextTracker) -> str:
+    if tracker.hit or st.finish_reason == "stop":
+        return "stop"
+    return "length"
+
+
+def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit, on_step=None,
+                 quiet: bool = False, totals: Totals | None = None) -> Totals:
+    """Serve `reqs`; `emit(req, record)` receives every result as soon as it is complete.
+    `totals` (filled as results come) keeps the count when the run is interrupted."""
+    totals = totals if totals is not None else Totals()
+    model_name = engine.cfg.model
+    t0 = time.perf_counter()
+
+    def fail(req: Request, err: RequestError) -> None:
+        totals.failed += 1
+        emit(req, error_record(req, err))
+
+    def tokens_of(req: Request) -> list[int]:
+        try:
+            if req.url == CHAT_URL:
+                return engine.prompt_tokens(messages=req.messages)
+            return engine.prompt_tokens(req.prompt, raw=True)
+        except EdgespecError as e:
+            raise RequestError(str(e)) from None
+
+    def finished(req: Request, tokens: list[int], st: Stats, tracker: TextTracker, drafter: str) -> None:
+        totals.add(st)
+        totals.outputs[req.custom_id] = list(tokens)
+        emit(req, ok_record(req, tracker.final(), _finish_reason(st, tracker), st, model_name, method, drafter))
+
+    try:
+        if n_parallel <= 1:
+            share = _SharedLookahead(engine, method)
+            try:
+                _serve_one_by_one(engine, reqs, method, share, fail, tokens_of, finished, on_step)
+            finally:
+                share.close()
+            return totals
+        from .multi import Job, MultiDecoder
+
+        dec = MultiDecoder(engine, n_parallel, method, quiet=quiet)
+        trackers: dict[int, TextTracker] = {}
+
+        def jobs() -> Iterator[Job]:
+            for req in reqs:
+                if req.error:
+                    fail(req, req.error)
+                    continue
+                try:
+                    prompt = tokens_of(req)
+                except RequestError as e:
+                    fail(req, e)
+                    continue
+                yield Job(prompt, req.max_tokens, req.sampling, tag=req)
+
+        try:
+            for kind, g, x in dec.run(jobs()):
+                if kind == "step":
+                    tr = trackers.get(id(g))
+                    if tr is None:
+                        tr = trackers[id(g)] = TextTracker(engine.target, g.job.tag.stop)
+                    if on_step:
+                        on_step(x)
+                    if tr.feed(x.tokens):
+                        g.stop()
+                elif kind == "done":
+                    tr = trackers.pop(id(g))
+                    finished(g.job.tag, g.tokens, g.stats, tr, g.drafter.name)
+                else:
+                    full = isinstance(x, ContextFullError)
+                    fail(g.tag, RequestError(str(x), "context_length_exceeded" if full else "failed", 400 if full else 500))
+        finally:
+            dec.close()
+        return totals
+    finally:
+        totals.wall = time.perf_counter() - t0
+
+
+def _read_input(path: str) -> list[str]:
+    if path == "-":
+        if sys.stdin is None:
+            raise EdgespecError("no input: standard input is closed")
+        return sys.stdin.read().splitlines()
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        raise EdgespecError(f"input file not found: {path}") from None
+    except IsADirectoryError:
+        raise EdgespecError(f"input is a directory, not a JSONL file: {path}") from None
+    except UnicodeDecodeError as e:
+        raise EdgespecError(f"input {path} is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise EdgespecError(f"cannot read input {path}: {e.strerror}") from None
+
+
+def run_batch(a, engine_cfg) -> int:
+    """The `edgespec batch` command (arguments already validated by the CLI)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .bench import _stderr_console
+    from .runner import Engine
+
+    if a.output != "-" and a.input != "-" and os.path.abspath(a.input) == os.path.abspath(a.output):
+        raise EdgespecError("the output file must not be the input file")
+    defaults = Defaults(a.n_predict, SamplingConfig(a.temp, a.top_k, a.top_p, a.min_p, a.seed))
+    reqs = read_requests(_read_input(a.input), defaults)
+    if not reqs:
+        raise EdgespecError(f"no requests in {a.input}")
+    dups = [r for r in reqs if r.duplicate_of is not None]
+    if dups:
+        shown = ", ".join(f"{r.custom_id!r} (line {r.line_no}, first on line {r.duplicate_of})" for r in dups[:5])
+        print(f"edgespec: {len(dups)} duplicate custom_id(s), reported as errors and not run: {shown}"
+              + (" ..." if len(dups) > 5 else ""), file=sys.stderr)
+    done = Done()
+    if a.output != "-" and not a.overwrite:
+        done = scan_output(a.output)
+        if done.repaired:
+            print(f"edgespec: {a.output}: removed a torn last line ({done.repaired} bytes) left by an interrupted run",
+                  file=sys.stderr)
+    todo = pending_requests(reqs, done)
+    skipped = len(reqs) - len(todo)
+    if skipped:
+        print(f"edgespec: resuming {a.output}: {skipped} of {len(reqs)} requests already done", file=sys.stderr)
+    if not todo:
+        print(f"edgespec: nothing to do: every request in {a.input} has a result in {a.output}", file=sys.stderr)
+        return 0
+    writer = Writer(a.output, overwrite=a.overwrite)  # before loading: a bad -o fails fast
+    try:
+        engine = Engine(engine_cfg, quiet=a.quiet)
+    except BaseException:
+        writer.close()
+        raise
+    show = not a.quiet and sys.stderr.isatty()
+    live = {"tokens": 0, "drafted": 0, "accepted": 0, "t0": time.perf_counter(), "shown": 0.0}
+    interrupted = False
+    totals = Totals()
+    try:
+        with Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.fields[info]}"), console=_stderr_console(), disable=not show,
+                      transient=False) as prog:
+            task = prog.add_task("batch", total=len(todo), info="")
+
+            def info() -> str:
+                dt = time.perf_counter() - live["t0"]
+                acc = f", accepted {100 * live['accepted'] / live['drafted']:.0f}%" if live["drafted"] else ""
+                return f"{live['tokens'] / dt if dt > 0 else 0:.1f} tok/s{acc}"
+
+            def on_step(ev) -> None:
+                live["tokens"] += len(ev.tokens)
+                live["drafted"] += ev.n_drafted
+                live["accepted"] += ev.n_accept
+                now = time.perf_counter()
+                if show and now - live["shown"] > 0.5:
+                    live["shown"] = now
+                    prog.update(task, info=info())
+
+            def emit(req: Request, rec: dict) -> None:
+                writer.write(rec)
+                prog.update(task, advance=1, info=info())
+
+            try:
+                run_requests(engine, todo, a.spec, a.parallel, emit, on_step, quiet=a.quiet, totals=totals)
+            except KeyboardInterrupt:
+                interrupted = True
+    finally:
+        writer.close()
+    summary = {"input": a.input, "output": a.output, "skipped_as_done": skipped, "parallel": a.parallel,
+               "method": a.spec, **totals.to_dict()}
+    lines = [
+        f"batch: {summary['requests']} requests ({totals.ok} ok, {totals.failed} failed"
+        + (f", {skipped} already done" if skipped else "")
+        + (f", {len(todo) - totals.ok - totals.failed} not run: interrupted" if interrupted else "")
+        + f"), -np {a.parallel}, --spec {a.spec}",
+        f"tokens: {totals.tokens_in} in, {totals.tokens_out} out; wall {totals.wall:.1f} s "
+        f"({totals.t_prompt:.1f} s reading prompts); {totals.throughput:.1f} tokens/s out, "
+        f"{totals.decode_throughput:.1f} while generating",
+    ]
+    if totals.drafted:
+        lines.append(f"speculation: drafted {totals.drafted}, accepted {totals.accepted} "
+                     f"({100 * totals.accepted / totals.drafted:.1f}%), mean accepted length "
+                     f"{summary['mean_accepted_length']:.2f} tokens per step")
+    if interrupted:
+        engine.close()
+        for line in lines:
+            print(line, file=sys.stderr)
+        print(f"edgespec: interrupted; finished results are in {a.output}; the same command resumes", file=sys.stderr)
+        return 130
+    if a.compare:
+        base = _compare(engine, todo, a, totals)
+        summary["compare"] = base
+        lines.append(f"compare: --spec none -np {a.parallel} on the same requests: {base['tokens_per_s']:.1f} tokens/s "
+                     f"out in {base['wall_s']:.1f} s; speedup {base['speedup']:.2f}x"
+                     + (f"; greedy outputs identical {base['identical']}/{base['greedy']}" if base["greedy"] else ""))
+    engine.close()
+    for line in lines:
+        print(line, file=sys.stderr)
+    if a.stats:
+        try:
+            with open(a.stats, "w") as f:
+                json.dump(summary, f, indent=1)
+        except OSError as e:
+            raise EdgespecError(f"cannot write {a.stats}: {e.strerror}") from None
+    if a.compare and summary["compare"]["identical"] < summary["compare"]["greedy"]:
+        print("edgespec: error: speculative greedy outputs differ from plain decoding", file=sys.stderr)
+        return 3
+    return EXIT_SOME_FAILED if totals.failed else 0
+
+
+def _compare(engine, todo: list[Request], a, spec: Totals) -> dict:
+    """The same requests again without speculation (results not written)."""
+    print(f"edgespec: --compare: running the {len(todo)} requests again with --spec none", file=sys.stderr)
+    base = run_requests(engine, todo, "none", a.parallel, lambda req, rec: None, quiet=True)
+    greedy = [r.custom_id for r in todo if r.error is None and r.sampling.greedy and r.custom_id in base.outputs]
+    same = sum(1 for c in greedy if spec.outputs.get(c) == base.outputs[c])
+    d = base.to_dict()
+    d["speedup"] = round(spec.throughput / base.throughput, 3) if base.throughput > 0 else 0.0
+    d["greedy"], d["identical"] = len(greedy), same
+    return d
+
+
+class _SharedLookahead:
+    """One lookahead trie and calibration for all requests of a batch run one at a time, so
+    similar requests draft from each other (as the sequences of `-np N` do)."""
+
+    def __init__(self, engine, method: str):
+        self.engine, self.method = engine, method
+        self.trie = self.calib = None
+        if method == "lookahead" or method == "auto":
+            probe = engine.make_drafter("lookahead")  # loads --lookahead-cache when given
+            self.trie, self.calib = probe.trie, probe.calib
+
+    def start(self, prompt: list[int], req: Request):
+        from .drafters import ChainDrafter
+        from .drafters.lookahead import LookaheadDrafter
+
+        eng = self.engine
+        if self.trie is None:
+            return eng.start(prompt, req.max_tokens, req.sampling, self.method)
+        look = LookaheadDrafter(max_branches=eng.cfg.max_branches, trie=self.trie, shared=True, calib=self.calib)
+        drafter = look
+        if self.method == "auto" and eng.draft_model is not None:
+            drafter = ChainDrafter([look, eng.make_drafter("draft", req.sampling.seed)])
+        return eng.generate(prompt, req.max_tokens, req.sampling, drafter)
+
+    def close(self) -> None:
+        if self.trie is None:
+            return
+        self.trie.release_prompt()
+        path = self.engine.cfg.lookahead_cache
+        if path:
+            try:
+                self.trie.save(path)
+            except OSError as e:
+                print(f"edgespec: cannot save lookahead cache {path}: {e.strerror}", file=sys.stderr)
+
+
+def _serve_one_by_one(engine, reqs, method, share, fail, tokens_of, finished, on_step) -> None:
+    for req in reqs:
+        if req.error:
+            fail(req, req.error)
+            continue
+        try:
+            prompt = tokens_of(req)
+            gen = share.start(prompt, req)
+            tracker = TextTracker(engine.target, req.stop)
+            steps = iter(gen)
+            try:
+                for ev in steps:
+                    if on_step:
+                        on_step(ev)
+                    if tracker.feed(ev.tokens):
+                        break
+            finally:
+                steps.close()
+        except RequestError as e:
+            fail(req, e)
+            continue
+        except EdgespecError as e:
+            ctx_full = isinstance(e, ContextFullError)
+            fail(req, RequestError(str(e), "context_length_exceeded" if ctx_full else "failed",
+                                   400 if ctx_full else 500))
+            continue
+        drafter = getattr(getattr(gen, "drafter", None), "name", method)
+        finished(req, gen.tokens, gen.stats, tracker, drafter)

@@ -1,0 +1,375 @@
+"""Several requests decoded together (`edgespec batch -np N`): continuous batching with drafts.
+
+Up to N sequences share every `llama_decode`, one sequence id each, each with its own chain
+draft; a finished sequence frees its slot for the next request at once. Draft-free drafters
+share one Lookahead trie (and its calibration), so similar requests draft from each other.
+
+Exactness. The context keeps one KV stream per sequence (not a unified cache): a sequence's
+cells then stay in position order whatever the others do, and with a q8_0 KV cache llama.cpp's
+CPU attention visits exactly the same cells in the same order as when the sequence is decoded
+alone. Weights see at most `max_exact_rows` rows per decode (the engine's probe), so every row's
+logits equal a one-row decode's and greedy output equals plain greedy decoding token for token.
+llama.cpp computes a multi-stream decode in one pass only when every sequence brings the same
+number of rows (otherwise in several passes, see `split_passes`), so each step weighs one draft
+length for all sequences (shorter drafts padded) against each sequence's own confident prefix
+(more passes), on the measured cost curve and every drafter's confidence.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from .costmodel import CostModel
+from .draft import Draft
+from .drafters.base import Budget, NullDrafter
+from .errors import ContextFullError, EdgespecError
+from .events import Stats, StepEvent
+from .kv import KVSeq, decode_chains
+from .llama import Context, ContextConfig
+from .sampling import SamplingConfig, sample, warp
+from .verify import verify_greedy, verify_sampled_tree
+
+METHODS = ("none", "ngram", "lookahead", "auto")
+PROBE_EVERY = 16  # steps without drafts before one token is drafted anyway (estimates recover)
+
+
+@dataclass
+class Job:
+    """One request for the scheduler; `tag` is the caller's own."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    tag: Any = None
+
+
+@dataclass(frozen=True)
+class _Collect(Budget):
+    """A budget that lets the drafter return all it has and records each node's path chance;
+    the scheduler sizes all sequences' drafts together."""
+
+    paths: list = field(default_factory=list)
+
+    def size(self, path_probs: list[float], per_node: float = 0.0) -> int:
+        self.paths[:] = list(path_probs)
+        return len(path_probs)
+
+
+@dataclass
+class SeqGeneration:
+    """One request in a slot. `tokens` and `stats` grow as it goes (as `runner.Generation`)."""
+
+    job: Job
+    engine: Any
+    kv: KVSeq
+    drafter: Any
+    tokens: list[int] = field(default_factory=list)
+    stats: Stats = field(default_factory=Stats)
+    stopped: bool = False
+    done: bool = False
+    rng: Any = None
+    pending: list[int] = field(default_factory=list)  # committed, not yet in the cache
+    context: list[int] = field(default_factory=list)  # prompt + tokens
+    t_start: float = 0.0
+    step_no: int = 0
+
+    @property
+    def max_tokens(self) -> int:
+        return self.job.max_tokens
+
+    def stop(self) -> None:
+        """End this generation after the current step (a stop string was seen)."""
+        self.stopped = True
+
+
+class MultiDecoder:
+    def __init__(self, engine, n_parallel: int, method: str, quiet: bool = False):
+        from .drafters.lookahead import new_calibration
+        from .trie import TokenTrie
+
+        if method not in METHODS:
+            raise EdgespecError(
+                f"--spec {method} decodes one sequence at a time; with -np > 1 choose one of {', '.join(METHODS)}"
+            )
+        if method == "auto" and engine.draft_model is not None and not quiet:
+            print("edgespec: with -np above 1, --spec auto drafts with lookahead only (the draft model is unused)",
+                  file=sys.stderr)
+        self.engine = engine
+        self.method = "lookahead" if method == "auto" else method
+        self.cost: CostModel = engine.cost
+        exact = self.cost.max_exact_rows
+        if n_parallel > exact:
+            if not quiet:
+                print(f"edgespec: {engine.target.path.name}: batches of more than {exact} rows are not bit-exact "
+                      f"with this build, so at most {exact} sequences decode together (a q4_0 variant allows more)",
+                      file=sys.stderr)
+            n_parallel = exact
+        self.n_parallel = max(1, n_parallel)
+        cfg = engine.cfg
+        per_seq = engine.ctx.n_ctx
+        self.ctx = Context(
+            engine.target,
+            ContextConfig(per_seq * self.n_parallel, max(cfg.n_batch, 32), cfg.threads, self.n_parallel, cfg.kv_type,
+                          unified=False),
+        )
+        self.kvs = [KVSeq(self.ctx, i) for i in range(self.n_parallel)]
+        self.max_draft = 16
+        self.trie: TokenTrie | None = None
+        self.calib = new_calibration()
+        if self.method == "lookahead":
+            probe = engine.make_drafter("lookahead")  # loads --lookahead-cache when given
+            self.trie = probe.trie
+        self._zero_steps = 0
+
+    def close(self) -> None:
+        if self.trie is not None:
+            self.trie.release_prompt()
+            path = self.engine.cfg.lookahead_cache
+            if path:
+                try:
+                    self.trie.save(path)
+                except OSError as e:
+                    print(f"edgespec: cannot save lookahead cache {path}: {e.strerror}", file=sys.stderr)
+        self.ctx.close()
+
+    def _drafter(self):
+        from .drafters.lookahead import LookaheadDrafter
+        from .drafters.ngram import NgramDrafter
+
+        if self.method == "none":
+            return NullDrafter()
+        if self.method == "ngram":
+            return NgramDrafter()
+        return LookaheadDrafter(max_branches=1, trie=self.trie, shared=True, calib=self.calib)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self, jobs: Iterable[Job]) -> Iterator[tuple[str, Any, Any]]:
+        """Yield ("step", gen, StepEvent), ("done", gen, None) and ("error", job, EdgespecError)
+        as they happen. Call `gen.stop()` on a step to end that generation; close the iterator to
+        abandon the rest (slots are freed)."""
+        source = iter(jobs)
+        slots: list[SeqGeneration | None] = [None] * self.n_parallel
+        exhausted = False
+        try:
+            while True:
+                for i in range(self.n_parallel):
+                    while slots[i] is None and not exhausted:
+                        job = next(source, None)
+                        if job is None:
+                            exhausted = True
+                            break
+                        try:
+                            g, ev = self._admit(job, i)
+                        except EdgespecError as e:
+                            yield "error", job, e
+                            continue
+                        yield "step", g, ev
+                        if g.done or g.stopped:
+                            self._finish(g)
+                            yield "done", g, None
+                        else:
+                            slots[i] = g
+                active = [g for g in slots if g is not None]
+                if not active:
+                    return
+                for g, ev in self._step(active):
+                    yield "step", g, ev
+                for i, g in enumerate(slots):
+                    if g is not None and (g.done or g.stopped):
+                        self._finish(g)
+                        slots[i] = None
+                        yield "done", g, None
+        finally:
+            for g in slots:
+                if g is not None:
+                    self._finish(g)
+
+    def _admit(self, job: Job, slot: int) -> tuple[SeqGeneration, StepEvent]:
+        kv = self.kvs[slot]
+        if not job.prompt:
+            raise EdgespecError("empty prompt")
+        if len(job.prompt) >= kv.capacity:
+            raise ContextFullError(
+                f"prompt of {len(job.prompt)} tokens does not fit in a context of {kv.capacity} tokens (raise -c)"
+            )
+        g = SeqGeneration(job, self.engine, kv, self._drafter())
+        g.rng = np.random.default_rng(job.sampling.seed)
+        st = g.stats
+        st.n_prompt = len(job.prompt)
+        st.finish_reason = "interrupted"
+        t0 = time.perf_counter()
+        kv.reset()
+        row = kv.extend(job.prompt)
+        first = _pick(self.ctx.logits(row), job.sampling, g.rng)
+        st.t_prompt = time.perf_counter() - t0
+        g.t_start = time.perf_counter()
+        g.drafter.begin(job.prompt)
+        g.pending = [first]
+        g.context = list(job.prompt)
+        ev = self._emit(g, [first], Draft(), [], 0, 0.0, 0.0, 0)
+        return g, ev
+
+    def _finish(self, g: SeqGeneration) -> None:
+        g.stats.t_gen = time.perf_counter() - g.t_start
+        g.drafter.end()
+        g.kv.reset()
+
+    def _emit(self, g: SeqGeneration, committed: list[int], draft: Draft, accepted: list[int], n_real: int,
+              t_draft: float, t_verify: float, step: int) -> StepEvent:
+        from .runner import clip
+
+        out, done = clip(g, committed)
+        g.tokens.extend(out)
+        g.context.extend(out)
+        n_acc = min(sum(1 for a in accepted if a < n_real), len(out))
+        ev = StepEvent(
+            step=step, n_drafted=n_real, n_accept=n_acc, n_branches=1 if n_real else 0,
+            tokens=tuple(out), from_draft=tuple(i < n_acc for i in range(len(out))),
+            t_draft=t_draft, t_verify=t_verify, drafter=g.drafter.name,
+            accepted_depth=tuple(range(1, n_acc + 1)), drafted_depth=(1,) * n_real,
+        )
+        g.stats.add(ev)
+        g.stats.t_gen = time.perf_counter() - g.t_start
+        g.done = done
+        return ev
+
+    def _step(self, active: list[SeqGeneration]) -> list[tuple[SeqGeneration, StepEvent]]:
+        n = len(active)
+        rooms = [g.kv.room() - len(g.pending) for g in active]
+        events = []
+        if min(rooms) < 0:
+            for g, room in zip(active, rooms):
+                if room < 0:
+                    g.stats.finish_reason = "context"
+                    g.done = True
+            active = [g for g, room in zip(active, rooms) if room >= 0]
+            if not active:
+                return events
+            n, rooms = len(active), [r for r in rooms if r >= 0]
+        kmax = min(self.max_draft, self.cost.max_exact_rows - n, min(rooms))
+        drafts, paths, t_drafts = [], [], []
+        for g in active:
+            t1 = time.perf_counter()
+            d, p = Draft(), []
+            if kmax > 0 and not isinstance(g.drafter, NullDrafter):
+                budget = _Collect(kmax, 1, 1, self.cost, g.job.sampling, g.kv.n)
+                d = g.drafter.propose(g.context, budget)
+                if d.tokens and not d.is_chain:
+                    raise EdgespecError("internal: batch drafts must be chains")
+                p = budget.paths[: len(d)] if len(budget.paths) >= len(d) else [0.5] * len(d)
+            drafts.append(d)
+            paths.append(p)
+            t_drafts.append(time.perf_counter() - t1)
+        lens = self._choose_layout(active, paths, kmax)
+        items = []
+        for g, d, k in zip(active, drafts, lens):
+            chain = list(d.tokens[:k])
+            chain += [g.pending[-1]] * (k - len(chain))  # padding: verified like any draft
+            items.append((g.kv, g.pending, chain))
+        rows = sum(1 + len(c) for _, _, c in items)
+        predicted = self._layout_time([g.kv.seq for g in active], [1 + len(c) for _, _, c in items],
+                                      [g.kv.n for g in active], raw=True)
+        t2 = time.perf_counter()
+        roots = decode_chains(self.ctx, items)
+        t_verify = time.perf_counter() - t2
+        self.cost.observe(rows, 0, t_verify, predicted)
+        for g, d, (_, pending, chain), root, td in zip(active, drafts, items, roots, t_drafts):
+            cfg = g.job.sampling
+            full = Draft.chain(chain)
+            if cfg.greedy:
+                accepted, nxt = verify_greedy(full, lambda i, r=root: int(np.argmax(self.ctx.logits(r + 1 + i))))
+            else:
+                accepted, nxt = verify_sampled_tree(full, lambda i, r=root, c=cfg: warp(self.ctx.logits(r + 1 + i), c),
+                                                    g.rng)
+            acc_tokens = [chain[a] for a in accepted]
+            g.kv.commit_chain(pending, acc_tokens)
+            g.pending = [nxt]
+            n_real = min(len(d), len(chain))
+            real = Draft(d.tokens[:n_real], d.parents[:n_real], None, d.source,
+                         d.est[:n_real] if d.est is not None else None)
+            g.drafter.accept(real, [a for a in accepted if a < n_real], acc_tokens + [nxt])
+            g.step_no += 1
+            events.append((g, self._emit(g, acc_tokens + [nxt], real, accepted, n_real, td, t_verify, g.step_no)))
+        return events
+
+    def _choose_layout(self, active: list[SeqGeneration], paths: list[list[float]], kmax: int) -> list[int]:
+        """Draft lengths per sequence for this step: the layout with the most expected tokens
+        per second of predicted decode time. llama.cpp splits a multi-stream decode into passes
+        of equal rows per sequence (see `split_passes`), so two families are weighed: one length
+        for all, shorter drafts padded (one pass), and each sequence its own confident prefix
+        (no padding, extra passes for the longer drafts)."""
+        n = len(active)
+        zero = [0] * n
+        longest = max((len(p) for p in paths), default=0)
+        if min(kmax, longest) <= 0:
+            return zero
+        seqs = [g.kv.seq for g in active]
+        past = [g.kv.n for g in active]
+        limit = self.cost.max_exact_rows  # rows of one decode, all sequences together
+
+        def rate(lens: list[int]) -> float:
+            gain = n + sum(sum(p[:k]) for p, k in zip(paths, lens))
+            return gain / self._layout_time(seqs, [1 + k for k in lens], past)
+
+        best, best_rate = zero, rate(zero) * 1.02
+        for k in range(1, min(kmax, longest) + 1):
+            if n * (1 + k) > limit:
+                break
+            r = rate([k] * n)
+            if r > best_rate:
+                best, best_rate = [k] * n, r
+        for tau in (0.9, 0.75, 0.6, 0.45, 0.3):
+            lens = [min(kmax, sum(1 for x in p if x >= tau)) for p in paths]
+            if not any(lens) or n + sum(lens) > limit:
+                continue
+            r = rate(lens)
+            if r > best_rate:
+                best, best_rate = lens, r
+        if not any(best):
+            self._zero_steps += 1
+            if self._zero_steps >= PROBE_EVERY:  # let the calibration see outcomes now and then
+                self._zero_steps = 0
+                return [min(1, len(p)) for p in paths]
+        else:
+            self._zero_steps = 0
+        return best
+
+    def _layout_time(self, seqs: list[int], counts: list[int], past: list[int], raw: bool = False) -> float:
+        by_seq = dict(zip(seqs, zip(counts, past)))
+        total = 0.0
+        for group in split_passes([by_seq.get(s, (0, 0))[0] for s in range(self.n_parallel)]):
+            rows = sum(m for _, m in group)
+            toks = sum(m * by_seq[s][1] for s, m in group)
+            total += self.cost.predict_multi(rows, toks) if raw else self.cost.t_multi(rows, toks)
+        return total
+
+
+def split_passes(counts: list[int]) -> list[list[tuple[int, int]]]:
+    """How llama.cpp (one KV stream per sequence) splits a decode in which sequence id i brings
+    counts[i] rows: each pass takes the first sequence with rows left and the run of consecutive
+    ids after it that have rows left, the same number of rows from each (the fewest any has).
+    Returns the passes as [(sequence id, rows)]."""
+    rem = list(counts)
+    out = []
+    while any(rem):
+        first = next(i for i, r in enumerate(rem) if r > 0)
+        group = [first]
+        while group[-1] + 1 < len(rem) and rem[group[-1] + 1] > 0:
+            group.append(group[-1] + 1)
+        m = min(rem[i] for i in group)
+        for i in group:
+            rem[i] -= m
+        out.append([(i, m) for i in group])
+    return out
+
+
+def _pick(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) -> int:
+    if cfg.greedy:
+        return int(np.argmax(logits))
+    return sample(warp(logits, cfg), rng)
