@@ -52,6 +52,7 @@ class Request:
     max_tokens: int = 256
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: list[str] = field(default_factory=list)
+    model: str | None = None  # what the line asked for (the loaded model answers)
     error: RequestError | None = None  # set when the line cannot be served
     duplicate_of: int | None = None  # line number of the first line with this custom_id
 
@@ -142,6 +143,7 @@ def _fill(req: Request, obj: dict, defaults: Defaults) -> None:
             raise RequestError(f"{k} is not supported (it would change the model's distribution)", "unsupported")
     if "model" in body and not isinstance(body["model"], str):
         raise RequestError("model must be a string")
+    req.model = body.get("model")
 
 
 def _is_int(x: Any) -> bool:
@@ -457,13 +459,18 @@ def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit
         totals.failed += 1
         emit(req, error_record(req, err))
 
-    def tokens_of(req: Request) -> list[int]:
+    def tokens_of(req: Request) -> list[int] | None:
+        """The request's prompt tokens, or None after writing its error line."""
+        if req.error:
+            fail(req, req.error)
+            return None
         try:
             if req.url == CHAT_URL:
                 return engine.prompt_tokens(messages=req.messages)
             return engine.prompt_tokens(req.prompt, raw=True)
         except EdgespecError as e:
-            raise RequestError(str(e)) from None
+            fail(req, RequestError(str(e)))
+            return None
 
     def finished(req: Request, tokens: list[int], st: Stats, tracker: TextTracker, drafter: str) -> None:
         totals.add(st)
@@ -472,7 +479,7 @@ def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit
 
     try:
         if n_parallel <= 1:
-            share = _SharedLookahead(engine, method)
+            share = _OneByOne(engine, method)
             try:
                 _serve_one_by_one(engine, reqs, method, share, fail, tokens_of, finished, on_step)
             finally:
@@ -485,15 +492,9 @@ def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit
 
         def jobs() -> Iterator[Job]:
             for req in reqs:
-                if req.error:
-                    fail(req, req.error)
-                    continue
-                try:
-                    prompt = tokens_of(req)
-                except RequestError as e:
-                    fail(req, e)
-                    continue
-                yield Job(prompt, req.max_tokens, req.sampling, tag=req)
+                prompt = tokens_of(req)
+                if prompt is not None:
+                    yield Job(prompt, req.max_tokens, req.sampling, tag=req)
 
         try:
             for kind, g, x in dec.run(jobs()):
@@ -510,7 +511,8 @@ def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit
                     finished(g.job.tag, g.tokens, g.stats, tr, g.drafter.name)
                 else:
                     full = isinstance(x, ContextFullError)
-                    fail(g.tag, RequestError(str(x), "context_length_exceeded" if full else "failed", 400 if full else 500))
+                    fail(g.tag, RequestError(str(x), "context_length_exceeded" if full else "failed",
+                                             400 if full else 500))
         finally:
             dec.close()
         return totals
@@ -554,6 +556,10 @@ def run_batch(a, engine_cfg) -> int:
         shown = ", ".join(f"{r.custom_id!r} (line {r.line_no}, first on line {r.duplicate_of})" for r in dups[:5])
         print(f"edgespec: {len(dups)} duplicate custom_id(s), reported as errors and not run: {shown}"
               + (" ..." if len(dups) > 5 else ""), file=sys.stderr)
+    asked = sorted({r.model for r in reqs if r.model and r.error is None and r.model != engine_cfg.model})
+    if asked:
+        print(f"edgespec: requests name model {', '.join(map(repr, asked[:3]))}{' ...' if len(asked) > 3 else ''}; "
+              f"{engine_cfg.model} answers them all (choose the model with -m)", file=sys.stderr)
     done = Done()
     if a.output != "-" and not a.overwrite:
         done = scan_output(a.output)
@@ -602,7 +608,7 @@ def run_batch(a, engine_cfg) -> int:
                 prog.update(task, advance=1, info=info())
 
             try:
-                run_requests(engine, todo, a.spec, a.parallel, emit, on_step, quiet=a.quiet, totals=totals)
+                run_requests(engine, todo, a.spec, a.parallel, emit, on_step, totals=totals)
             except KeyboardInterrupt:
                 interrupted = True
     finally:
@@ -661,49 +667,37 @@ def _compare(engine, todo: list[Request], a, spec: Totals) -> dict:
     return d
 
 
-class _SharedLookahead:
-    """One lookahead trie and calibration for all requests of a batch run one at a time, so
-    similar requests draft from each other (as the sequences of `-np N` do)."""
+class _OneByOne:
+    """Starts each request's generation (`-np 1`); lookahead requests share one trie."""
 
     def __init__(self, engine, method: str):
+        from .drafters.lookahead import SharedLookahead
+
         self.engine, self.method = engine, method
-        self.trie = self.calib = None
-        if method == "lookahead" or method == "auto":
-            probe = engine.make_drafter("lookahead")  # loads --lookahead-cache when given
-            self.trie, self.calib = probe.trie, probe.calib
+        self.shared = SharedLookahead(engine.cfg.lookahead_cache) if method in ("lookahead", "auto") else None
 
     def start(self, prompt: list[int], req: Request):
         from .drafters import ChainDrafter
-        from .drafters.lookahead import LookaheadDrafter
 
         eng = self.engine
-        if self.trie is None:
+        if self.shared is None:
             return eng.start(prompt, req.max_tokens, req.sampling, self.method)
-        look = LookaheadDrafter(max_branches=eng.cfg.max_branches, trie=self.trie, shared=True, calib=self.calib)
-        drafter = look
+        drafter = self.shared.drafter(eng.cfg.max_branches)
         if self.method == "auto" and eng.draft_model is not None:
-            drafter = ChainDrafter([look, eng.make_drafter("draft", req.sampling.seed)])
+            drafter = ChainDrafter([drafter, eng.make_drafter("draft", req.sampling.seed)])
         return eng.generate(prompt, req.max_tokens, req.sampling, drafter)
 
     def close(self) -> None:
-        if self.trie is None:
-            return
-        self.trie.release_prompt()
-        path = self.engine.cfg.lookahead_cache
-        if path:
-            try:
-                self.trie.save(path)
-            except OSError as e:
-                print(f"edgespec: cannot save lookahead cache {path}: {e.strerror}", file=sys.stderr)
+        if self.shared is not None:
+            self.shared.close()
 
 
 def _serve_one_by_one(engine, reqs, method, share, fail, tokens_of, finished, on_step) -> None:
     for req in reqs:
-        if req.error:
-            fail(req, req.error)
+        prompt = tokens_of(req)
+        if prompt is None:
             continue
         try:
-            prompt = tokens_of(req)
             gen = share.start(prompt, req)
             tracker = TextTracker(engine.target, req.stop)
             steps = iter(gen)
@@ -715,9 +709,6 @@ def _serve_one_by_one(engine, reqs, method, share, fail, tokens_of, finished, on
                         break
             finally:
                 steps.close()
-        except RequestError as e:
-            fail(req, e)
-            continue
         except EdgespecError as e:
             ctx_full = isinstance(e, ContextFullError)
             fail(req, RequestError(str(e), "context_length_exceeded" if ctx_full else "failed",

@@ -89,8 +89,7 @@ class SeqGeneration:
 
 class MultiDecoder:
     def __init__(self, engine, n_parallel: int, method: str, quiet: bool = False):
-        from .drafters.lookahead import new_calibration
-        from .trie import TokenTrie
+        from .drafters.lookahead import SharedLookahead
 
         if method not in METHODS:
             raise EdgespecError(
@@ -119,33 +118,22 @@ class MultiDecoder:
         )
         self.kvs = [KVSeq(self.ctx, i) for i in range(self.n_parallel)]
         self.max_draft = 16
-        self.trie: TokenTrie | None = None
-        self.calib = new_calibration()
-        if self.method == "lookahead":
-            probe = engine.make_drafter("lookahead")  # loads --lookahead-cache when given
-            self.trie = probe.trie
+        self.shared = SharedLookahead(cfg.lookahead_cache) if self.method == "lookahead" else None
         self._zero_steps = 0
 
     def close(self) -> None:
-        if self.trie is not None:
-            self.trie.release_prompt()
-            path = self.engine.cfg.lookahead_cache
-            if path:
-                try:
-                    self.trie.save(path)
-                except OSError as e:
-                    print(f"edgespec: cannot save lookahead cache {path}: {e.strerror}", file=sys.stderr)
+        if self.shared is not None:
+            self.shared.close()
         self.ctx.close()
 
     def _drafter(self):
-        from .drafters.lookahead import LookaheadDrafter
         from .drafters.ngram import NgramDrafter
 
         if self.method == "none":
             return NullDrafter()
         if self.method == "ngram":
             return NgramDrafter()
-        return LookaheadDrafter(max_branches=1, trie=self.trie, shared=True, calib=self.calib)
+        return self.shared.drafter(max_branches=1)
 
     # -- the loop -------------------------------------------------------------------------
 

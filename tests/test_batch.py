@@ -169,7 +169,8 @@ def test_parallel_seeded_sampling_equals_one_at_a_time(smol):
 
 def test_stop_strings_and_context_errors(smol):
     lines = [
-        line({"custom_id": "stop", "body": {"prompt": "Count from 1 to 30: 1, 2, 3, 4,", "max_tokens": 60, "stop": [" 9,"]}}),
+        line({"custom_id": "stop", "body": {"prompt": "Count from 1 to 30: 1, 2, 3, 4,", "max_tokens": 60,
+                                            "stop": [" 9,"]}}),
         line({"custom_id": "long", "body": {"prompt": "word " * 3000, "max_tokens": 4}}),
         line({"custom_id": "ok", "body": {"prompt": "The capital of France is", "max_tokens": 4}}),
     ]
@@ -227,8 +228,9 @@ def test_resume_after_sigkill_completes_without_duplicates(tmp_path):
     inp, out, ref = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
     topics = ["rivers", "mountains", "bread", "clocks", "owls", "bridges", "salt", "trains", "maps", "bees",
               "glass", "tides"]
-    inp.write_text("".join(line({"custom_id": f"r{i}", "body": {"messages": [{"role": "user", "content":
-                        f"Write three sentences about {t}."}], "max_tokens": 40}}) + "\n" for i, t in enumerate(topics)))
+    inp.write_text("".join(
+        line({"custom_id": f"r{i}", "body": {"messages": [{"role": "user", "content": f"Write three sentences about {t}."}],
+                                             "max_tokens": 40}}) + "\n" for i, t in enumerate(topics)))
     base = [sys.executable, "-m", "edgespec", "batch", "-i", str(inp), "-m", "smollm2-135m-instruct:q4_0", "-t", "2",
             "-np", "2", "-q"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -287,3 +289,43 @@ def test_sigterm_stops_keeping_finished_results(tmp_path):
     assert "interrupted" in err and "resumes" in err
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert 1 <= len(recs) < 8 and all(r["error"] is None for r in recs)
+
+
+def test_parallel_equals_one_at_a_time_with_sliding_window_attention():
+    """Gemma 3 (sliding-window layers) in per-sequence KV streams."""
+    from edgespec.runner import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(model="gemma3-270m:q4_0", n_ctx=1024, threads=2, max_branches=1))
+    try:
+        reqs = read_requests([line({"custom_id": f"g{i}", "body": {"prompt": p, "max_tokens": 40}}) for i, p in
+                              enumerate(["def fibonacci(n):", "List of prime numbers: 2, 3, 5, 7,",
+                                         "The three laws of thermodynamics are", PROMPTS[4]])], D)
+        one, _ = _collect(eng, reqs, "none", 1)
+        many, _ = _collect(eng, reqs, "lookahead", 3)
+        assert one.ok == many.ok == 4 and many.outputs == one.outputs
+    finally:
+        eng.close()
+
+
+def test_layout_choice_follows_the_cost_curve():
+    """One confident sequence among four: where a pass costs mostly its fixed part (weights) it
+    drafts alone in an extra pass; where rows cost little (a GPU) everyone drafts in one pass;
+    where rows cost nearly as much as a plain step, nobody does."""
+    from types import SimpleNamespace
+
+    from edgespec.costmodel import KS, CostModel, flat
+    from edgespec.multi import MultiDecoder
+
+    dec = object.__new__(MultiDecoder)
+    dec.n_parallel, dec._zero_steps = 4, 0
+    active = [SimpleNamespace(kv=SimpleNamespace(seq=i, n=100)) for i in range(4)]
+    paths = [[0.95, 0.9, 0.85, 0.8, 0.75, 0.7], [0.2], [], [0.3, 0.1]]
+    sure = [[0.99] * 8] + paths[1:]
+    dec.cost = CostModel(KS, tuple(0.010 + 0.002 * k for k in KS), 0.0, 32, 32)
+    assert dec._choose_layout(active, sure, 8) == [8, 0, 0, 0]
+    dec.cost = CostModel(KS, tuple(0.004 + 0.003 * k for k in KS), 0.0, 32, 32)  # about this 2-core CPU
+    assert dec._choose_layout(active, paths, 8) == [0, 0, 0, 0]
+    dec.cost = flat(0.01, 32)
+    lens = dec._choose_layout(active, paths, 7)
+    assert lens[0] == 6 and len(set(lens)) == 1  # one pass: every sequence padded to the same length
+    assert dec._choose_layout(active, [[], [], [], []], 8) == [0, 0, 0, 0]

@@ -79,14 +79,35 @@ class LookaheadDrafter:
             self.calib[self._s].update(draft, accepted)
 
     def end(self) -> None:
-        if self.shared:
-            return
-        self.trie.release_prompt()
-        if self.cache_path:
-            try:
-                self.trie.save(self.cache_path)
-            except OSError as e:
-                print(f"edgespec: cannot save lookahead cache {self.cache_path}: {e.strerror}", file=sys.stderr)
+        if not self.shared:
+            release_and_save(self.trie, self.cache_path)
+
+
+class SharedLookahead:
+    """One trie and one calibration for many requests (batch mode): every request's drafter
+    feeds and reads the same trie, so similar requests draft from each other. Prompt branches
+    stay until `close`, which releases them and saves the trie to `cache_path` when given."""
+
+    def __init__(self, cache_path: str | Path | None = None):
+        self.cache_path = cache_path
+        self.trie = LookaheadDrafter(cache_path=cache_path).trie  # loads the cache when there is one
+        self.calib = new_calibration()
+
+    def drafter(self, max_branches: int) -> LookaheadDrafter:
+        return LookaheadDrafter(max_branches=max_branches, trie=self.trie, shared=True, calib=self.calib)
+
+    def close(self) -> None:
+        release_and_save(self.trie, self.cache_path)
+
+
+def release_and_save(trie: TokenTrie, cache_path) -> None:
+    """The requests are over: drop prompt branches, keep output branches (saved when asked)."""
+    trie.release_prompt()
+    if cache_path:
+        try:
+            trie.save(cache_path)
+        except OSError as e:
+            print(f"edgespec: cannot save lookahead cache {cache_path}: {e.strerror}", file=sys.stderr)
 
 
 def new_calibration(max_match: int = 8) -> dict[int, Calibration]:
