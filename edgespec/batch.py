@@ -290,6 +290,15 @@ class Writer:
             except OSError as e:
                 raise EdgespecError(f"cannot open output {path}: {e.strerror}") from None
             self.sync = True
+            try:  # two runs appending to one file would run requests twice
+                import fcntl
+
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except ImportError:  # pragma: no cover - no flock on this platform
+                pass
+            except OSError:
+                os.close(self.fd)
+                raise EdgespecError(f"another edgespec batch is writing {path}; wait for it or choose another -o") from None
 
     def write(self, rec: dict) -> None:
         data = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
@@ -560,9 +569,14 @@ def run_batch(a, engine_cfg) -> int:
     if asked:
         print(f"edgespec: requests name model {', '.join(map(repr, asked[:3]))}{' ...' if len(asked) > 3 else ''}; "
               f"{engine_cfg.model} answers them all (choose the model with -m)", file=sys.stderr)
+    writer = Writer(a.output, overwrite=a.overwrite)  # locked before reading what it holds
     done = Done()
     if a.output != "-" and not a.overwrite:
-        done = scan_output(a.output)
+        try:
+            done = scan_output(a.output)
+        except EdgespecError:
+            writer.close()
+            raise
         if done.repaired:
             print(f"edgespec: {a.output}: removed a torn last line ({done.repaired} bytes) left by an interrupted run",
                   file=sys.stderr)
@@ -571,9 +585,9 @@ def run_batch(a, engine_cfg) -> int:
     if skipped:
         print(f"edgespec: resuming {a.output}: {skipped} of {len(reqs)} requests already done", file=sys.stderr)
     if not todo:
+        writer.close()
         print(f"edgespec: nothing to do: every request in {a.input} has a result in {a.output}", file=sys.stderr)
         return 0
-    writer = Writer(a.output, overwrite=a.overwrite)  # before loading: a bad -o fails fast
     try:
         engine = Engine(engine_cfg, quiet=a.quiet)
     except BaseException:

@@ -97,6 +97,19 @@ def test_scan_output_cuts_a_torn_last_line(tmp_path):
         scan_output(str(out))
 
 
+def test_one_output_file_has_one_writer(tmp_path):
+    from edgespec.batch import Writer
+    from edgespec.errors import EdgespecError
+
+    first = Writer(str(tmp_path / "out.jsonl"))
+    try:
+        with pytest.raises(EdgespecError, match="another edgespec batch is writing"):
+            Writer(str(tmp_path / "out.jsonl"))
+    finally:
+        first.close()
+    Writer(str(tmp_path / "out.jsonl")).close()  # free again once the first is done
+
+
 class _Vocab:
     def __init__(self, pieces):
         self.pieces = pieces

@@ -103,10 +103,13 @@ def test_stdin_prompt_and_stats_line():
 
 
 def test_ctrl_c_keeps_what_was_produced():
+    # A runner that starts jobs in the background (`cmd &`) hands them SIGINT ignored, and Python
+    # then keeps ignoring it: give the child the default disposition, as a terminal would.
     p = subprocess.Popen(
         [sys.executable, "-m", "edgespec", "run", "-m", SMOL, "-n", "4000", "-c", "4096", "--spec", "none",
          "-p", "Count from 1 to 1000, one number per line."],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     got = b""
     deadline = time.time() + 120
