@@ -298,7 +298,8 @@ class Writer:
                 pass
             except OSError:
                 os.close(self.fd)
-                raise EdgespecError(f"another edgespec batch is writing {path}; wait for it or choose another -o") from None
+                raise EdgespecError(
+                    f"another edgespec batch is writing {path}; wait for it or choose another -o") from None
 
     def write(self, rec: dict) -> None:
         data = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")

@@ -241,9 +241,9 @@ def test_resume_after_sigkill_completes_without_duplicates(tmp_path):
     inp, out, ref = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
     topics = ["rivers", "mountains", "bread", "clocks", "owls", "bridges", "salt", "trains", "maps", "bees",
               "glass", "tides"]
-    inp.write_text("".join(
-        line({"custom_id": f"r{i}", "body": {"messages": [{"role": "user", "content": f"Write three sentences about {t}."}],
-                                             "max_tokens": 40}}) + "\n" for i, t in enumerate(topics)))
+    rows = [{"custom_id": f"r{i}", "body": {"max_tokens": 40, "messages": [
+        {"role": "user", "content": f"Write three sentences about {t}."}]}} for i, t in enumerate(topics)]
+    inp.write_text("".join(line(r) + "\n" for r in rows))
     base = [sys.executable, "-m", "edgespec", "batch", "-i", str(inp), "-m", "smollm2-135m-instruct:q4_0", "-t", "2",
             "-np", "2", "-q"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
