@@ -15,13 +15,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from .llama import Context
 
 KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
-FORGET = 0.98  # online correction: weight of an observation after each new one
-PULL = 0.1  # online correction: strength of the pull towards the curve as measured
 
 
 @dataclass
@@ -41,28 +37,14 @@ class CostModel:
     max_exact_rows: int = 1 << 30
 
     def __post_init__(self) -> None:
-        # Online correction from measured decodes: scales for the one-row weights part, the
-        # many-row weights part and the attention part, fitted by least squares with forgetting
-        # and a pull towards 1. A curve measured once drifts with the machine's load, and the
-        # attention term measured at load (one- and eight-row decodes at 1024 tokens) misjudges
-        # what batched rows pay at other lengths; one factor per part corrects both.
-        self.coef = np.ones(3)
-        self._S = np.zeros((3, 3))
-        self._r = np.zeros(3)
-
-    def _parts(self, rows: int, attn_tokens: int) -> np.ndarray:
-        """The uncorrected cost of one decode pass split into the three corrected parts."""
-        base = self.predict(rows, 0)
-        x = np.zeros(3)
-        x[0 if rows <= 1 else 1] = base
-        x[2] = self.attn * max(0, attn_tokens)
-        return x
+        # Online correction, measured/predicted, for one-row and many-row decodes: a curve
+        # measured once under other load drifts from what decodes cost now.
+        self.ratio = [1.0, 1.0]
 
     def t(self, k: int, n_past: int = 0) -> float:
-        return float(self._parts(k, k * max(0, n_past - self.n0)) @ self.coef)
+        return self.predict(k, n_past) * self.ratio[0 if k <= 1 else 1]
 
     def predict(self, k: int, n_past: int = 0) -> float:
-        """The curve as measured at load, without the online correction."""
         ks, ts = self.ks, self.ts
         extra = self.attn * k * max(0, n_past - self.n0)
         if k <= ks[0]:
@@ -75,26 +57,19 @@ class CostModel:
         return ts[-1] + slope * (k - ks[-1]) + extra
 
     def t_multi(self, rows: int, row_tokens: int) -> float:
-        """One decode pass of `rows` rows from several sequences, `row_tokens` being the sum over
-        rows of the tokens each row attends to (its own sequence's cache): batch mode."""
-        return float(self._parts(rows, row_tokens - rows * self.n0) @ self.coef)
+        """One decode of `rows` rows from several sequences, `row_tokens` being the sum over rows
+        of the tokens each row attends to (its own sequence's cache): batch mode."""
+        return self.predict_multi(rows, row_tokens) * self.ratio[0 if rows <= 1 else 1]
 
-    def observe(self, k: int, n_past: int, seconds: float, passes: list[tuple[int, int]] | None = None) -> None:
-        """Fold a measured decode into the correction: k rows after n_past cached tokens, or (batch
-        mode) several passes of (rows, row_tokens)."""
-        if passes is None:
-            x = self._parts(k, k * max(0, n_past - self.n0))
-        else:
-            x = sum((self._parts(r, rt - r * self.n0) for r, rt in passes), np.zeros(3))
-        total = float(x.sum())
-        if total <= 0:
-            return
-        y = min(3.0 * total, max(0.33 * total, seconds))  # one burst of load elsewhere is not the curve
-        w = 1.0 / (total * total)  # relative errors: short and long decodes count alike
-        self._S = FORGET * self._S + w * np.outer(x, x)
-        self._r = FORGET * self._r + w * x * y
-        coef = np.linalg.solve(self._S + PULL * np.eye(3), self._r + PULL)
-        self.coef = np.clip(coef, 0.3, 3.0)
+    def predict_multi(self, rows: int, row_tokens: int) -> float:
+        return self.predict(rows, 0) + self.attn * max(0, row_tokens - rows * self.n0)
+
+    def observe(self, k: int, n_past: int, seconds: float, predicted: float | None = None) -> None:
+        """Fold a measured decode of k rows into the correction (robust to outliers)."""
+        pred = self.predict(k, n_past) if predicted is None else predicted
+        r = min(3.0, max(0.33, seconds / pred))
+        b = 0 if k <= 1 else 1
+        self.ratio[b] = 0.95 * self.ratio[b] + 0.05 * r
 
     def best_size(self, probs: list[float], fixed_rows: int = 1, per_node: float = 0.0, margin: float = 0.02,
                   n_past: int = 0) -> int:

@@ -261,11 +261,12 @@ class MultiDecoder:
             chain += [g.pending[-1]] * (k - len(chain))  # padding: verified like any draft
             items.append((g.kv, g.pending, chain))
         rows = sum(1 + len(c) for _, _, c in items)
-        passes = self._passes([g.kv.seq for g in active], [1 + len(c) for _, _, c in items], [g.kv.n for g in active])
+        predicted = self._layout_time([g.kv.seq for g in active], [1 + len(c) for _, _, c in items],
+                                      [g.kv.n for g in active], raw=True)
         t2 = time.perf_counter()
         roots = decode_chains(self.ctx, items)
         t_verify = time.perf_counter() - t2
-        self.cost.observe(rows, 0, t_verify, passes)
+        self.cost.observe(rows, 0, t_verify, predicted)
         for g, d, (_, pending, chain), root, td in zip(active, drafts, items, roots, t_drafts):
             cfg = g.job.sampling
             full = Draft.chain(chain)
@@ -327,16 +328,14 @@ class MultiDecoder:
             self._zero_steps = 0
         return best
 
-    def _passes(self, seqs: list[int], counts: list[int], past: list[int]) -> list[tuple[int, int]]:
-        """(rows, row_tokens) of each pass llama.cpp will make for these row counts."""
+    def _layout_time(self, seqs: list[int], counts: list[int], past: list[int], raw: bool = False) -> float:
         by_seq = dict(zip(seqs, zip(counts, past)))
-        out = []
+        total = 0.0
         for group in split_passes([by_seq.get(s, (0, 0))[0] for s in range(self.n_parallel)]):
-            out.append((sum(m for _, m in group), sum(m * by_seq[s][1] for s, m in group)))
-        return out
-
-    def _layout_time(self, seqs: list[int], counts: list[int], past: list[int]) -> float:
-        return sum(self.cost.t_multi(r, rt) for r, rt in self._passes(seqs, counts, past))
+            rows = sum(m for _, m in group)
+            toks = sum(m * by_seq[s][1] for s, m in group)
+            total += self.cost.predict_multi(rows, toks) if raw else self.cost.t_multi(rows, toks)
+        return total
 
 
 def split_passes(counts: list[int]) -> list[list[tuple[int, int]]]:

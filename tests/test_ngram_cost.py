@@ -30,26 +30,3 @@ def test_cost_model_sizes_drafts_by_cost():
     assert cpu.best_size(unsure) == 0  # never slower than plain
     assert flat().best_size(unsure) >= 1  # on a GPU-like curve even weak drafts pay
     assert cpu.t(7) > cpu.t(6) and cpu.t(64) > cpu.t(32)
-
-
-def test_online_correction_learns_weights_and_attention_apart():
-    """Decodes that cost 1.2x the load curve's weights part and 0.65x its attention part: the
-    correction finds both from plain steps at growing context and a few multi-row steps."""
-    import random
-
-    cm = CostModel(KS, tuple(0.004 + 0.003 * k for k in KS), 10e-6, 32, 32)
-
-    def true(k, n):
-        return (1.2 if k <= 1 else 1.1) * cm.predict(k, 0) + 0.65 * cm.attn * k * max(0, n - 32)
-
-    rnd = random.Random(1)
-    n = 300
-    for _ in range(300):
-        k = 1 if rnd.random() < 0.8 else rnd.choice([2, 3, 4, 6])
-        cm.observe(k, n, true(k, n) * rnd.uniform(0.85, 1.15))
-        n = n + k if n < 1200 else 300
-    for k, n in ((1, 300), (4, 900), (8, 900)):
-        assert abs(cm.t(k, n) / true(k, n) - 1) < 0.06
-    assert abs(cm.predict(4, 900) / true(4, 900) - 1) > 0.2  # the uncorrected curve was far off
-    cm.observe(1, 100, 100.0)  # one outlier (a stall elsewhere) moves it only boundedly
-    assert cm.t(1, 300) < 3.5 * true(1, 300)
