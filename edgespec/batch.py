@@ -506,8 +506,9 @@ def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit
                 if prompt is not None:
                     yield Job(prompt, req.max_tokens, req.sampling, tag=req)
 
+        events = dec.run(jobs())
         try:
-            for kind, g, x in dec.run(jobs()):
+            for kind, g, x in events:
                 if kind == "step":
                     tr = trackers.get(id(g))
                     if tr is None:
@@ -524,6 +525,7 @@ def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit
                     fail(g.tag, RequestError(str(x), "context_length_exceeded" if full else "failed",
                                              400 if full else 500))
         finally:
+            events.close()  # frees the slots (their KV cells) before the context goes
             dec.close()
         return totals
     finally:

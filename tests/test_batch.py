@@ -289,7 +289,7 @@ def test_sigterm_stops_keeping_finished_results(tmp_path):
     inp.write_text("".join(line({"custom_id": f"t{i}", "body": {"prompt": f"List {i + 3} colors:", "max_tokens": 48}})
                            + "\n" for i in range(8)))
     cmd = [sys.executable, "-m", "edgespec", "batch", "-i", str(inp), "-o", str(out), "-m",
-           "smollm2-135m-instruct:q4_0", "-t", "2", "-q"]
+           "smollm2-135m-instruct:q4_0", "-t", "2", "-np", "2", "-q"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
