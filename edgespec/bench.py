@@ -332,7 +332,9 @@ def run_batch_bench(a, engine_cfg, methods: list[str], suite: list[dict]) -> int
 
     nps = parse_parallel(a.parallel)
     if max(nps) > 1:
-        bad = [m for m in methods if m not in ("none", "ngram", "lookahead", "auto")]
+        from .multi import METHODS
+
+        bad = [m for m in methods if m not in METHODS]
         if bad:
             raise EdgespecError(f"method {bad[0]} decodes one sequence at a time; --parallel above 1 takes none, "
                                 "ngram, lookahead, auto")

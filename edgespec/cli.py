@@ -311,7 +311,9 @@ def cmd_batch(a) -> int:
         raise EdgespecError("-np must be at least 1")
     if a.parallel > 64:
         raise EdgespecError("-np must be at most 64")
-    if a.parallel > 1 and a.spec not in ("none", "ngram", "lookahead", "auto"):
+    from .multi import METHODS
+
+    if a.parallel > 1 and a.spec not in METHODS:
         raise EdgespecError(f"--spec {a.spec} decodes one sequence at a time: use -np 1, or --spec lookahead")
     cfg = _engine_config(a)
     if a.parallel > 1:  # the engine's own context only measures costs; batch contexts hold chains

@@ -180,8 +180,8 @@ def decode_chains(ctx: Context, items: list[tuple[KVSeq, list[int], list[int]]])
     is row root + 1 + i.
 
     In a context with one stream per sequence, llama.cpp computes a decode in one pass only when
-    every sequence brings the same number of rows and their ids are consecutive; the caller pads
-    chains to equal length.
+    every sequence brings the same number of rows and their ids are consecutive, else in several
+    (see `multi.split_passes`): the caller weighs padding against extra passes.
     """
     tokens: list[int] = []
     positions: list[int] = []

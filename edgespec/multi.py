@@ -31,8 +31,8 @@ from .errors import ContextFullError, EdgespecError
 from .events import Stats, StepEvent
 from .kv import KVSeq, decode_chains
 from .llama import Context, ContextConfig
-from .sampling import SamplingConfig, sample, warp
-from .verify import verify_greedy, verify_sampled_tree
+from .sampling import SamplingConfig, pick
+from .verify import verify_step
 
 METHODS = ("none", "ngram", "lookahead", "auto")
 PROBE_EVERY = 16  # steps without drafts before one token is drafted anyway (estimates recover)
@@ -194,13 +194,13 @@ class MultiDecoder:
         t0 = time.perf_counter()
         kv.reset()
         row = kv.extend(job.prompt)
-        first = _pick(self.ctx.logits(row), job.sampling, g.rng)
+        first = pick(self.ctx.logits(row), job.sampling, g.rng)
         st.t_prompt = time.perf_counter() - t0
         g.t_start = time.perf_counter()
         g.drafter.begin(job.prompt)
         g.pending = [first]
         g.context = list(job.prompt)
-        ev = self._emit(g, [first], Draft(), [], 0, 0.0, 0.0, 0)
+        ev = self._emit(g, [first], Draft(), [], 0.0, 0.0, 0)
         return g, ev
 
     def _finish(self, g: SeqGeneration) -> None:
@@ -208,20 +208,15 @@ class MultiDecoder:
         g.drafter.end()
         g.kv.reset()
 
-    def _emit(self, g: SeqGeneration, committed: list[int], draft: Draft, accepted: list[int], n_real: int,
+    def _emit(self, g: SeqGeneration, committed: list[int], draft: Draft, accepted: list[int],
               t_draft: float, t_verify: float, step: int) -> StepEvent:
-        from .runner import clip
+        """`draft`: the drafter's own tokens (no padding); `accepted`: those of its nodes kept."""
+        from .runner import clip, step_event
 
         out, done = clip(g, committed)
         g.tokens.extend(out)
         g.context.extend(out)
-        n_acc = min(sum(1 for a in accepted if a < n_real), len(out))
-        ev = StepEvent(
-            step=step, n_drafted=n_real, n_accept=n_acc, n_branches=1 if n_real else 0,
-            tokens=tuple(out), from_draft=tuple(i < n_acc for i in range(len(out))),
-            t_draft=t_draft, t_verify=t_verify, drafter=g.drafter.name,
-            accepted_depth=tuple(range(1, n_acc + 1)), drafted_depth=(1,) * n_real,
-        )
+        ev = step_event(step, draft, accepted, out, t_draft, t_verify, g.drafter.name)
         g.stats.add(ev)
         g.stats.t_gen = time.perf_counter() - g.t_start
         g.done = done
@@ -268,22 +263,18 @@ class MultiDecoder:
         t_verify = time.perf_counter() - t2
         self.cost.observe(rows, 0, t_verify, predicted)
         for g, d, (_, pending, chain), root, td in zip(active, drafts, items, roots, t_drafts):
-            cfg = g.job.sampling
-            full = Draft.chain(chain)
-            if cfg.greedy:
-                accepted, nxt = verify_greedy(full, lambda i, r=root: int(np.argmax(self.ctx.logits(r + 1 + i))))
-            else:
-                accepted, nxt = verify_sampled_tree(full, lambda i, r=root, c=cfg: warp(self.ctx.logits(r + 1 + i), c),
-                                                    g.rng)
+            accepted, nxt = verify_step(Draft.chain(chain), lambda i, r=root: self.ctx.logits(r + 1 + i),
+                                        g.job.sampling, g.rng)
             acc_tokens = [chain[a] for a in accepted]
             g.kv.commit_chain(pending, acc_tokens)
             g.pending = [nxt]
             n_real = min(len(d), len(chain))
             real = Draft(d.tokens[:n_real], d.parents[:n_real], None, d.source,
                          d.est[:n_real] if d.est is not None else None)
-            g.drafter.accept(real, [a for a in accepted if a < n_real], acc_tokens + [nxt])
+            kept = [a for a in accepted if a < n_real]  # accepted padding counts as the target's own
+            g.drafter.accept(real, kept, acc_tokens + [nxt])
             g.step_no += 1
-            events.append((g, self._emit(g, acc_tokens + [nxt], real, accepted, n_real, td, t_verify, g.step_no)))
+            events.append((g, self._emit(g, acc_tokens + [nxt], real, kept, td, t_verify, g.step_no)))
         return events
 
     def _choose_layout(self, active: list[SeqGeneration], paths: list[list[float]], kmax: int) -> list[int]:
@@ -355,9 +346,3 @@ def split_passes(counts: list[int]) -> list[list[tuple[int, int]]]:
             rem[i] -= m
         out.append([(i, m) for i in group])
     return out
-
-
-def _pick(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) -> int:
-    if cfg.greedy:
-        return int(np.argmax(logits))
-    return sample(warp(logits, cfg), rng)

@@ -27,7 +27,7 @@ from .draft import Draft
 from .errors import ContextFullError, EdgespecError
 from .events import Stats, StepEvent
 from .kv import KVSeq
-from .sampling import SamplingConfig, sample, warp
+from .sampling import SamplingConfig, pick, sample, warp
 from .verify import verify_greedy, verify_rejection_chain
 
 
@@ -177,7 +177,7 @@ class PearlGeneration:
         t0 = time.perf_counter()
         kv.reset()
         row = kv.extend(self.prompt)
-        first = int(np.argmax(ctx.logits(row))) if cfg.greedy else sample(warp(ctx.logits(row), cfg), rng)
+        first = pick(ctx.logits(row), cfg, rng)
         st.t_prompt = time.perf_counter() - t0
         t_start = time.perf_counter()
         pending: list[int] = [first]  # committed, not in the target's cache

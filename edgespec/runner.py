@@ -24,8 +24,8 @@ from .errors import ContextFullError, EdgespecError
 from .events import Stats, StepEvent
 from .kv import KVSeq
 from .llama import Context, ContextConfig, Model
-from .sampling import SamplingConfig, warp
-from .verify import verify_greedy, verify_rejection_chain, verify_sampled_tree
+from .sampling import SamplingConfig, pick
+from .verify import verify_step
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ class Generation:
         t0 = time.perf_counter()
         kv.reset()
         row = kv.extend(self.prompt)
-        first = self._pick(ctx.logits(row), rng)
+        first = pick(ctx.logits(row), cfg, rng)
         st.t_prompt = time.perf_counter() - t0
         self.drafter.begin(self.prompt)
         t_start = time.perf_counter()
@@ -186,15 +186,7 @@ class Generation:
                 self.tokens.extend(out)
                 context.extend(out)  # prompt + tokens, grown in place rather than rebuilt each step
                 st.t_gen = time.perf_counter() - t_start
-                acc_depths = tuple(range(1, len(accepted) + 1)) if draft.is_chain else tuple(draft.depths()[a] for a in accepted)
-                n_acc = min(len(accepted), len(out))  # a step cut at end-of-generation keeps fewer
-                ev = StepEvent(
-                    step=step_no, n_drafted=len(draft), n_accept=n_acc,
-                    n_branches=len(draft.leaves()) if draft.tokens else 0,
-                    tokens=tuple(out), from_draft=tuple(i < n_acc for i in range(len(out))),
-                    t_draft=t_draft, t_verify=t_verify, drafter=draft.source or self.drafter.name,
-                    accepted_depth=acc_depths[:n_acc], drafted_depth=_depth_counts(draft),
-                )
+                ev = step_event(step_no, draft, accepted, out, t_draft, t_verify, draft.source or self.drafter.name)
                 st.add(ev)
                 yield ev
                 if done:
@@ -218,14 +210,7 @@ class Generation:
                 n_before = kv.n
                 layout = kv.decode_tree(pending, draft)
                 eng.cost.observe(len(pending) + len(draft), n_before, time.perf_counter() - t2)
-                if cfg.greedy:
-                    accepted, nxt = verify_greedy(draft, lambda n: int(np.argmax(ctx.logits(layout.row(n)))))
-                else:
-                    probs = lambda n: warp(ctx.logits(layout.row(n)), cfg)  # noqa: E731
-                    if draft.probs is not None and draft.is_chain:
-                        accepted, nxt = verify_rejection_chain(draft, probs, rng)
-                    else:
-                        accepted, nxt = verify_sampled_tree(draft, probs, rng)
+                accepted, nxt = verify_step(draft, lambda n: ctx.logits(layout.row(n)), cfg, rng)
                 relay = kv.commit_tree(layout, pending, draft, accepted)
                 pending = relay + [nxt]
                 committed = [draft.tokens[a] for a in accepted] + [nxt]
@@ -240,13 +225,6 @@ class Generation:
         for _ in self:
             pass
         return self
-
-    def _pick(self, logits: np.ndarray, rng: np.random.Generator) -> int:
-        if self.sampling.greedy:
-            return int(np.argmax(logits))
-        from .sampling import sample
-
-        return sample(warp(logits, self.sampling), rng)
 
     def _clip(self, committed: list[int]) -> tuple[list[int], bool]:
         return clip(self, committed)
@@ -266,6 +244,20 @@ def clip(gen, committed: list[int]) -> tuple[list[int], bool]:
             gen.stats.finish_reason = "length"
             return out, True
     return out, False
+
+
+def step_event(step: int, draft: Draft, accepted: list[int], out: list[int], t_draft: float, t_verify: float,
+               drafter: str) -> StepEvent:
+    """The event of one verification step: `accepted` are draft nodes, `out` the tokens the
+    step committed after `clip` (a step cut at end-of-generation keeps fewer)."""
+    acc_depths = tuple(range(1, len(accepted) + 1)) if draft.is_chain else tuple(draft.depths()[a] for a in accepted)
+    n_acc = min(len(accepted), len(out))
+    return StepEvent(
+        step=step, n_drafted=len(draft), n_accept=n_acc, n_branches=len(draft.leaves()) if draft.tokens else 0,
+        tokens=tuple(out), from_draft=tuple(i < n_acc for i in range(len(out))),
+        t_draft=t_draft, t_verify=t_verify, drafter=drafter,
+        accepted_depth=acc_depths[:n_acc], drafted_depth=_depth_counts(draft),
+    )
 
 
 def _depth_counts(draft: Draft) -> tuple[int, ...]:

@@ -55,6 +55,13 @@ def warp(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     return out
 
 
+def pick(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) -> int:
+    """The next token from one row of logits: argmax when greedy, else a draw after the warp."""
+    if cfg.greedy:
+        return int(np.argmax(logits))
+    return sample(warp(logits, cfg), rng)
+
+
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one index from a (possibly unnormalized) non-negative vector."""
     c = np.cumsum(p)

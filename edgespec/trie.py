@@ -61,15 +61,9 @@ class TokenTrie:
         self.alpha = alpha  # smoothing: one sighting is not certainty
         self.root = TrieNode()
         self.n_nodes = 0
-        self.start_request()
+        self._cursor = Cursor()  # for callers that feed one request at a time
 
     # -- insertion ------------------------------------------------------------------------
-
-    def start_request(self) -> Cursor:
-        """Forget the insertion cursor of the previous request (its counts stay); also returns
-        a fresh cursor for callers that feed the trie from several requests at once."""
-        self._cursor = Cursor()
-        return Cursor()
 
     def extend(self, tokens: list[int], source: int, cursor: Cursor | None = None) -> None:
         """Insert the windows of `tokens` not inserted yet (call as the sequence grows)."""

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 
 from .draft import Draft
-from .sampling import sample
+from .sampling import SamplingConfig, sample, warp
 
 
 def verify_greedy(
@@ -79,3 +79,16 @@ def verify_rejection_chain(
     if not bonus:
         return accepted, None
     return accepted, sample(target_probs(len(draft.tokens) - 1), rng)
+
+
+def verify_step(
+    draft: Draft, logits_at: Callable[[int], np.ndarray], cfg: SamplingConfig, rng: np.random.Generator
+) -> tuple[list[int], int]:
+    """One step's verdict from the target's logits (`logits_at(node)`, node -1: the root):
+    greedy walk; the rejection rule for a chain with draft distributions; else the tree walk."""
+    if cfg.greedy:
+        return verify_greedy(draft, lambda n: int(np.argmax(logits_at(n))))
+    probs = lambda n: warp(logits_at(n), cfg)  # noqa: E731
+    if draft.probs is not None and draft.is_chain:
+        return verify_rejection_chain(draft, probs, rng)
+    return verify_sampled_tree(draft, probs, rng)

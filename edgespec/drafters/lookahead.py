@@ -34,12 +34,7 @@ class LookaheadDrafter:
         """`shared`: the trie is fed by several requests at once (batch mode); each drafter keeps
         its own insertion cursor, and prompt branches stay until the owner releases them."""
         self.cache_path = Path(cache_path) if cache_path else None
-        if trie is None and self.cache_path and self.cache_path.exists():
-            try:
-                trie = TokenTrie.load(self.cache_path)
-            except (OSError, ValueError, KeyError) as e:
-                print(f"edgespec: ignoring unreadable lookahead cache {self.cache_path}: {e}", file=sys.stderr)
-        self.trie = trie or TokenTrie(window=window)
+        self.trie = trie or load_trie(self.cache_path, window)
         self.shared = shared
         self._cursor = Cursor()
         self.max_match = max_match
@@ -90,7 +85,7 @@ class SharedLookahead:
 
     def __init__(self, cache_path: str | Path | None = None):
         self.cache_path = cache_path
-        self.trie = LookaheadDrafter(cache_path=cache_path).trie  # loads the cache when there is one
+        self.trie = load_trie(Path(cache_path) if cache_path else None)
         self.calib = new_calibration()
 
     def drafter(self, max_branches: int) -> LookaheadDrafter:
@@ -98,6 +93,16 @@ class SharedLookahead:
 
     def close(self) -> None:
         release_and_save(self.trie, self.cache_path)
+
+
+def load_trie(cache_path: Path | None, window: int = 16) -> TokenTrie:
+    """The trie saved at `cache_path` (`--lookahead-cache`), or a new one."""
+    if cache_path and cache_path.exists():
+        try:
+            return TokenTrie.load(cache_path)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"edgespec: ignoring unreadable lookahead cache {cache_path}: {e}", file=sys.stderr)
+    return TokenTrie(window=window)
 
 
 def release_and_save(trie: TokenTrie, cache_path) -> None:
