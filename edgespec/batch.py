@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from .errors import ContextFullError, EdgespecError
 from .events import Stats
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, SamplingError, make_sampling
 
 CHAT_URL, TEXT_URL = "/v1/chat/completions", "/v1/completions"
 LINE_KEYS = {"custom_id", "method", "url", "body"}
@@ -150,10 +150,6 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _messages(msgs: Any) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise RequestError("messages must be a non-empty list")
@@ -188,24 +184,17 @@ def _prompt(p: Any) -> str:
 
 
 def _sampling(body: dict, d: SamplingConfig) -> SamplingConfig:
-    temp = body.get("temperature", d.temp)
-    top_p = body.get("top_p", d.top_p)
-    top_k = body.get("top_k", d.top_k)
-    min_p = body.get("min_p", d.min_p)
-    seed = body.get("seed", d.seed)
-    temp = d.temp if temp is None else temp
-    top_p = d.top_p if top_p is None else top_p
-    if not _is_num(temp) or not 0 <= temp <= 2:
-        raise RequestError("temperature must be a number in [0, 2]")
-    if not _is_num(top_p) or not 0 < top_p <= 1:
-        raise RequestError("top_p must be a number in (0, 1]")
-    if not _is_int(top_k) or top_k < 0:
-        raise RequestError("top_k must be a non-negative integer")
-    if not _is_num(min_p) or not 0 <= min_p <= 1:
-        raise RequestError("min_p must be a number in [0, 1]")
-    if seed is not None and not _is_int(seed):
-        raise RequestError("seed must be an integer")
-    return SamplingConfig(float(temp), int(top_k), float(top_p), float(min_p), seed)
+    """The request's sampling settings over the command line's; `seed` -1 is a random seed."""
+
+    def get(key: str, default):
+        v = body.get(key, default)
+        return default if v is None else v
+
+    try:
+        return make_sampling(get("temperature", d.temp), get("top_k", d.top_k), get("top_p", d.top_p),
+                             get("min_p", d.min_p), body.get("seed", d.seed))
+    except SamplingError as e:
+        raise RequestError(str(e)) from None
 
 
 def _stop(stop: Any) -> list[str]:
@@ -276,33 +265,39 @@ def error_record(req: Request, err: RequestError) -> dict:
 
 
 class Writer:
-    """Appends one JSON line per result with a single write, then flushes it to disk."""
+    """Appends one JSON line per result with a single write, then flushes it to disk. The file is
+    locked before anything in it changes: `--overwrite` never truncates a file that another live
+    batch is writing."""
 
     def __init__(self, path: str, overwrite: bool = False):
         self.path = path
         if path == "-":
             self.fd = sys.stdout.fileno()
             self.sync = False
-        else:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if overwrite else 0)
-            try:
-                self.fd = os.open(path, flags, 0o644)
-            except OSError as e:
-                raise EdgespecError(f"cannot open output {path}: {e.strerror}") from None
-            self.sync = True
-            try:  # two runs appending to one file would run requests twice
-                import fcntl
+            return
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise EdgespecError(f"cannot open output {path}: {e.strerror}") from None
+        self.sync = True
+        try:  # two runs appending to one file would run requests twice
+            import fcntl
 
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except ImportError:  # pragma: no cover - no flock on this platform
-                pass
-            except OSError:
-                os.close(self.fd)
-                raise EdgespecError(
-                    f"another edgespec batch is writing {path}; wait for it or choose another -o") from None
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # pragma: no cover - no flock on this platform
+            pass
+        except OSError:
+            os.close(self.fd)
+            raise EdgespecError(
+                f"another edgespec batch is writing {path}; wait for it or choose another -o") from None
+        if overwrite:
+            os.ftruncate(self.fd, 0)
 
     def write(self, rec: dict) -> None:
-        data = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
+        try:
+            data = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from the input (a custom_id): keep it escaped
+            data = (json.dumps(rec) + "\n").encode("ascii")
         view = memoryview(data)
         while view:
             n = os.write(self.fd, view)
@@ -323,12 +318,25 @@ class Done:
     duplicates: Counter = field(default_factory=Counter)  # duplicate-id error lines per custom_id
     lines: int = 0
     repaired: int = 0  # bytes of a torn last line removed
+    failed: int = 0  # lines of requests that failed in serving (5xx), kept or removed for a retry
+    restored: bool = False  # an interrupted --retry-failed rewrite was undone from its backup
 
 
-def scan_output(path: str) -> Done:
-    """Read what an earlier run wrote; cut a last line torn by a kill so appends stay valid."""
+def scan_output(path: str, retry_failed: bool = False) -> Done:
+    """Read what an earlier run wrote; cut a last line torn by a kill so appends stay valid.
+
+    Requests that failed in serving (status 5xx: `failed`) count as done, as every other line,
+    unless `retry_failed`: then their lines are removed from the file, so that their new results
+    take their place and every request keeps exactly one line. The rewrite keeps a backup until
+    it is on disk; a run that finds a backup (the rewrite was interrupted) restores it first.
+    Call it with the output locked (`Writer`)."""
     done = Done()
+    backup = f"{path}.retry-backup"
     try:
+        if os.path.exists(backup):
+            _copy_over(backup, path)
+            os.unlink(backup)
+            done.restored = True
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
@@ -340,21 +348,54 @@ def scan_output(path: str) -> Done:
         done.repaired = len(data) - end
         with open(path, "r+b") as f:
             f.truncate(end)
-    for n, raw in enumerate(data[:end].splitlines(), start=1):
+    kept: list[bytes] = []
+    for n, raw in enumerate(data[:end].splitlines(keepends=True), start=1):
         if not raw.strip():
             continue
         try:
             rec = json.loads(raw)
             cid = rec["custom_id"]
-        except (ValueError, KeyError, TypeError):
+            err = rec.get("error") or {}
+            status = (rec.get("response") or {}).get("status_code")
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise EdgespecError(f"{path} line {n} is not a batch result; give another -o or --overwrite") from None
-        err = rec.get("error") or {}
         if isinstance(err, dict) and err.get("code") == DUPLICATE:
             done.duplicates[cid] += 1
+        elif isinstance(status, int) and status >= 500:
+            done.failed += 1
+            if retry_failed:
+                continue
+            done.ids.add(cid)
         else:
             done.ids.add(cid)
+        kept.append(raw)
         done.lines += 1
+    if retry_failed and done.failed:
+        _rewrite(path, backup, b"".join(kept))
     return done
+
+
+def _copy_over(src: str, dst: str) -> None:
+    with open(src, "rb") as f:
+        _write_in_place(dst, f.read())
+
+
+def _write_in_place(path: str, data: bytes) -> None:
+    """Replace the file's content through the same inode (the lock is on it, not on the name)."""
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate(len(data))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rewrite(path: str, backup: str, data: bytes) -> None:
+    with open(path, "rb") as f, open(backup, "wb") as b:
+        b.write(f.read())
+        b.flush()
+        os.fsync(b.fileno())
+    _write_in_place(path, data)
+    os.unlink(backup)
 
 
 def pending_requests(reqs: list[Request], done: Done) -> list[Request]:
@@ -451,6 +492,15 @@ class Totals:
         }
 
 
+def failure(e: BaseException) -> RequestError:
+    """The error line of a request whose serving raised `e`."""
+    if isinstance(e, ContextFullError):
+        return RequestError(str(e), "context_length_exceeded", 400)
+    if isinstance(e, EdgespecError):
+        return RequestError(str(e), "failed", 500)
+    return RequestError(f"internal error while serving this request: {type(e).__name__}: {e}", "failed", 500)
+
+
 def _finish_reason(st: Stats, tracker: TextTracker) -> str:
     if tracker.hit or st.finish_reason == "stop":
         return "stop"
@@ -480,7 +530,11 @@ def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit
             return engine.prompt_tokens(req.prompt, raw=True)
         except EdgespecError as e:
             fail(req, RequestError(str(e)))
-            return None
+        except UnicodeEncodeError:
+            fail(req, RequestError("the prompt is not valid Unicode text (a lone surrogate such as \\ud800)"))
+        except Exception as e:  # one request never ends the batch
+            fail(req, failure(e))
+        return None
 
     def finished(req: Request, tokens: list[int], st: Stats, tracker: TextTracker, drafter: str) -> None:
         totals.add(st)
@@ -521,9 +575,7 @@ def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit
                     tr = trackers.pop(id(g))
                     finished(g.job.tag, g.tokens, g.stats, tr, g.drafter.name)
                 else:
-                    full = isinstance(x, ContextFullError)
-                    fail(g.tag, RequestError(str(x), "context_length_exceeded" if full else "failed",
-                                             400 if full else 500))
+                    fail(g.tag, failure(x))
         finally:
             events.close()  # frees the slots (their KV cells) before the context goes
             dec.close()
@@ -559,7 +611,7 @@ def run_batch(a, engine_cfg) -> int:
 
     if a.output != "-" and a.input != "-" and os.path.abspath(a.input) == os.path.abspath(a.output):
         raise EdgespecError("the output file must not be the input file")
-    defaults = Defaults(a.n_predict, SamplingConfig(a.temp, a.top_k, a.top_p, a.min_p, a.seed))
+    defaults = Defaults(a.n_predict, make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed))
     reqs = read_requests(_read_input(a.input), defaults)
     if not reqs:
         raise EdgespecError(f"no requests in {a.input}")
@@ -576,12 +628,19 @@ def run_batch(a, engine_cfg) -> int:
     done = Done()
     if a.output != "-" and not a.overwrite:
         try:
-            done = scan_output(a.output)
+            done = scan_output(a.output, retry_failed=a.retry_failed)
         except EdgespecError:
             writer.close()
             raise
+        if done.restored:
+            print(f"edgespec: {a.output}: restored from {a.output}.retry-backup (an earlier --retry-failed was "
+                  "interrupted while rewriting it)", file=sys.stderr)
         if done.repaired:
             print(f"edgespec: {a.output}: removed a torn last line ({done.repaired} bytes) left by an interrupted run",
+                  file=sys.stderr)
+        if done.failed:
+            print(f"edgespec: {a.output}: {done.failed} request(s) failed in an earlier run; "
+                  + ("running them again" if a.retry_failed else "kept as they are (--retry-failed runs them again)"),
                   file=sys.stderr)
     todo = pending_requests(reqs, done)
     skipped = len(reqs) - len(todo)
@@ -726,10 +785,8 @@ def _serve_one_by_one(engine, reqs, method, share, fail, tokens_of, finished, on
                         break
             finally:
                 steps.close()
-        except EdgespecError as e:
-            ctx_full = isinstance(e, ContextFullError)
-            fail(req, RequestError(str(e), "context_length_exceeded" if ctx_full else "failed",
-                                   400 if ctx_full else 500))
+        except Exception as e:  # one request never ends the batch: it gets its error line
+            fail(req, failure(e))
             continue
         drafter = getattr(getattr(gen, "drafter", None), "name", method)
         finished(req, gen.tokens, gen.stats, tracker, drafter)

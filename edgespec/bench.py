@@ -136,8 +136,8 @@ def summarize(records: list[dict], methods: list[str], cost, n_past: int) -> dic
             sel = [r for r in mine if cat == "all" or r["category"] == cat]
             if not sel:
                 continue
-            sp = [r["tokens_per_s"] / base[(r["id"], r["repeat"])]["tokens_per_s"] for r in sel
-                  if base.get((r["id"], r["repeat"]), {}).get("tokens_per_s", 0) > 0]
+            sp = [_tps(r) / _tps(base[(r["id"], r["repeat"])]) for r in sel
+                  if _tps(r) > 0 and _tps(base.get((r["id"], r["repeat"]), {})) > 0]
             drafted = sum(r.get("n_drafted", 0) for r in sel)
             accepted = sum(r.get("n_accept", 0) for r in sel)
             steps = sum(r.get("n_steps", 0) for r in sel)
@@ -149,11 +149,11 @@ def summarize(records: list[dict], methods: list[str], cost, n_past: int) -> dic
             # llama.cpp's tools against llama.cpp's own plain decoding: the drafting alone,
             # without the difference between the two runtimes' plain speeds
             own = llama_base if m.startswith("llama.cpp:") else base
-            osp = [r["tokens_per_s"] / own[(r["id"], r["repeat"])]["tokens_per_s"] for r in sel
-                   if own.get((r["id"], r["repeat"]), {}).get("tokens_per_s", 0) > 0]
+            osp = [_tps(r) / _tps(own[(r["id"], r["repeat"])]) for r in sel
+                   if _tps(r) > 0 and _tps(own.get((r["id"], r["repeat"]), {})) > 0]
             rows.append({
                 "method": m, "category": cat, "prompts": len(sel),
-                "tokens_per_s": round(geomean([r["tokens_per_s"] for r in sel]), 1),
+                "tokens_per_s": round(geomean([_tps(r) for r in sel]), 1),
                 "speedup": _r(speed), "speedup_min": _r(min(sp) if sp else None), "speedup_max": _r(max(sp) if sp else None),
                 "speedup_own_plain": _r(geomean(osp) if osp else None),
                 "efficiency": _r(speed / top if speed and top > 0 else None),
@@ -168,6 +168,11 @@ def summarize(records: list[dict], methods: list[str], cost, n_past: int) -> dic
             })
     return {"summary": rows, "cost_ms": cost.to_dict(),
             "ceiling": {"speedup": round(top, 3), "draft_len": top_k, "n_past": n_past}}
+
+
+def _tps(record: dict) -> float:
+    """A run's tokens/s; 0 when it has none (a llama.cpp run whose output could not be parsed)."""
+    return record.get("tokens_per_s") or 0.0
 
 
 def _r(x: float | None) -> float | None:
@@ -199,7 +204,7 @@ def render_markdown(report: dict) -> str:
         acc = "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.0f}%"
         mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
         pos = " ".join(f"{100 * x:.0f}" for x in r["acceptance_by_position"][:4]) or "-"
-        share = "-" if r["draft_share"] is None else f"{100 * r['draft_share']:.0f}% / {100 * r['verify_share']:.0f}%"
+        share = "-" if r["draft_share"] is None or r["verify_share"] is None else f"{100 * r['draft_share']:.0f}% / {100 * r['verify_share']:.0f}%"
         ok = "not checked" if r["all_match"] is None else "yes" if r["all_match"] else "**NO**"
         own = "-" if r.get("speedup_own_plain") is None else f"{r['speedup_own_plain']:.2f}x"
         lines.append(f"| {r['method']} | {r['category']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {sp} | {own} | {eff} | "

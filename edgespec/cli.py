@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -96,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     res = bt.add_mutually_exclusive_group()
     res.add_argument("--resume", action="store_true", help="skip requests already in the output (the default)")
     res.add_argument("--overwrite", action="store_true", help="start the output file afresh instead of resuming")
+    bt.add_argument("--retry-failed", action="store_true",
+                    help="on resume, run again the requests whose lines say they failed in serving (status 5xx); "
+                         "their old lines are removed (by default every line counts as done)")
     bt.add_argument("--compare", action="store_true",
                     help="then run the same requests with --spec none (not written) and report the speedup")
     bt.add_argument("--stats", default=None, metavar="FILE", help="write the summary as JSON to FILE")
@@ -160,11 +164,23 @@ def _read_prompt(a) -> str:
         try:
             with open(a.file, encoding="utf-8") as f:
                 return f.read()
+        except UnicodeDecodeError as e:
+            raise EdgespecError(f"prompt file {a.file} is not UTF-8 text (byte {e.start})") from None
         except OSError as e:
             raise EdgespecError(f"cannot read prompt file {a.file}: {e.strerror}") from None
     if sys.stdin is None or sys.stdin.isatty():
         raise EdgespecError("no prompt: pass -p TEXT, -f FILE, or pipe it on standard input")
-    return sys.stdin.read()
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as e:
+        raise EdgespecError(f"standard input is not UTF-8 text (byte {e.start})") from None
+
+
+def _sampling(a):
+    """The sampling flags, checked as a batch line's body fields are (one validation for both)."""
+    from .sampling import make_sampling
+
+    return make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed)
 
 
 def _validate(a) -> None:
@@ -172,8 +188,12 @@ def _validate(a) -> None:
         raise EdgespecError("-n must be at least 1")
     if a.n_ctx < 16:
         raise EdgespecError("-c must be at least 16")
-    if getattr(a, "temp", 0) < 0:
-        raise EdgespecError("--temp must be >= 0")
+    if a.threads < 0 or a.threads_draft < 0:
+        raise EdgespecError("-t and -td must be at least 1 (0: all cores, at most 8)")
+    if a.ngl < -1 or a.ngld < -1:
+        raise EdgespecError("-ngl and -ngld must be at least 0 (-1: all layers)")
+    if hasattr(a, "temp"):
+        _sampling(a)
     if a.draft_n_max < 0 or a.draft_n_min < 0 or a.draft_n_min > a.draft_n_max:
         raise EdgespecError("draft lengths need 0 <= --spec-draft-n-min <= --spec-draft-n-max")
     if getattr(a, "spec", None) in ("draft", "pearl") and not a.draft:
@@ -184,7 +204,6 @@ def _validate(a) -> None:
 
 def cmd_run(a) -> int:
     from .runner import Engine, TextStream
-    from .sampling import SamplingConfig
 
     _validate(a)
     text = _read_prompt(a)
@@ -196,7 +215,7 @@ def cmd_run(a) -> int:
     else:
         msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
         prompt = engine.prompt_tokens(messages=msgs)
-    sampling = SamplingConfig(a.temp, a.top_k, a.top_p, a.min_p, a.seed)
+    sampling = _sampling(a)
     gen = engine.start(prompt, a.n_predict, sampling, a.spec)
     used = gen.drafter.name if hasattr(gen, "drafter") else a.spec
     stream = TextStream(engine.target)
@@ -226,7 +245,6 @@ def cmd_run(a) -> int:
 
 def cmd_chat(a) -> int:
     from .runner import Engine
-    from .sampling import SamplingConfig
     from .session import ChatSession
 
     _validate(a)
@@ -237,7 +255,7 @@ def cmd_chat(a) -> int:
 
         cfg = replace(cfg, max_branches=8)
     engine = Engine(cfg, quiet=not interactive)
-    session = ChatSession(engine, a.spec, SamplingConfig(a.temp, a.top_k, a.top_p, a.min_p, a.seed), a.n_predict, a.system)
+    session = ChatSession(engine, a.spec, _sampling(a), a.n_predict, a.system)
     if interactive:
         try:
             from edgespec.tui.app import run_app
@@ -331,10 +349,39 @@ def cmd_bench(a) -> int:
     from .bench import run_bench
 
     _validate(a)
+    if a.repeat < 1:
+        raise EdgespecError("--repeat must be at least 1")
+    if a.limit < 0:
+        raise EdgespecError("--limit must be at least 0 (0: every prompt)")
+    if a.out and os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise EdgespecError(f"--out {a.out} is a file; give a folder for report.json")
     return run_bench(a, _engine_config(a))
 
 
+class _StderrHandler(logging.Handler):
+    """The core's notes (logging), one line each on whatever stderr is at the time."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "progress", False) and not sys.stderr.isatty():
+            return  # a note of progress, for a person watching a terminal
+        try:
+            sys.stderr.write(f"edgespec: {record.getMessage()}\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def setup_logging() -> logging.Logger:
+    lg = logging.getLogger("edgespec")
+    if not any(isinstance(h, _StderrHandler) for h in lg.handlers):
+        lg.addHandler(_StderrHandler())
+    lg.setLevel(logging.INFO)
+    lg.propagate = False
+    return lg
+
+
 def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     ap = build_parser()
     a = ap.parse_args(argv)
     if a.cmd is None:

@@ -8,14 +8,16 @@ decoding yields 1 token for t(1). Drafters size each step to maximize that ratio
 
 from __future__ import annotations
 
+import logging
 import json
 import os
 import platform
-import sys
 import time
 from dataclasses import dataclass
 
 from .llama import Context
+
+log = logging.getLogger(__name__)
 
 KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 
@@ -35,6 +37,7 @@ class CostModel:
     # Largest batch whose logits are bit-identical to one-row decodes on this build and model
     # (see probe_exact_rows); verification never uses more rows, so greedy stays exact.
     max_exact_rows: int = 1 << 30
+    online: bool = True  # corrected by measured decodes; off for a curve that stands for another machine
 
     def __post_init__(self) -> None:
         # Online correction, measured/predicted, for one-row and many-row decodes: a curve
@@ -66,6 +69,8 @@ class CostModel:
 
     def observe(self, k: int, n_past: int, seconds: float, predicted: float | None = None) -> None:
         """Fold a measured decode of k rows into the correction (robust to outliers)."""
+        if not self.online:
+            return
         pred = self.predict(k, n_past) if predicted is None else predicted
         r = min(3.0, max(0.33, seconds / pred))
         b = 0 if k <= 1 else 1
@@ -101,7 +106,7 @@ class CostModel:
 
 def flat(seconds: float = 0.01, max_exact_rows: int = 1 << 30) -> CostModel:
     """A machine where verifying k tokens costs as much as one (a fast GPU), for tests."""
-    return CostModel(KS, tuple(seconds for _ in KS), 0.0, 32, max_exact_rows)
+    return CostModel(KS, tuple(seconds for _ in KS), 0.0, 32, max_exact_rows, online=False)
 
 
 def _key(ctx: Context, n_gpu_layers: int) -> str:
@@ -196,9 +201,9 @@ def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layer
             return CostModel.from_dict(rec)
     except (OSError, ValueError, KeyError, TypeError):
         data = {}
-    if not quiet and sys.stderr.isatty():
-        print(f"edgespec: measuring what verifying k tokens costs on this machine ({ctx.model.path.name}, "
-              f"{ctx.n_threads} threads; once, then cached)", file=sys.stderr)
+    if not quiet:
+        log.info("measuring what verifying k tokens costs on this machine (%s, %d threads; once, then cached)",
+                 ctx.model.path.name, ctx.n_threads, extra={"progress": True})
     cm = measure(ctx, kv)
     data[key] = cm.to_dict()
     try:

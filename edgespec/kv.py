@@ -79,6 +79,16 @@ class KVSeq:
                 hi = mid - 1
         return lo
 
+    def sync(self, tokens: list[int]) -> tuple[int, int]:
+        """Make the cache hold exactly `tokens` (a drafter's own cache following the committed
+        text): keep the common prefix, drop the rest, decode what is new. The last token is
+        always decoded again, for its logits. Returns (its output row, tokens decoded)."""
+        if not tokens:
+            raise EdgespecError("internal: sync needs at least one token")
+        keep = min(self.common_prefix(tokens), len(tokens) - 1)
+        self.truncate(keep)
+        return self.extend(tokens[keep:]), len(tokens) - keep
+
     def extend(self, new: list[int], want_logits: bool = True, all_rows: bool = False) -> int | None:
         """Decode `new` after the cache in chunks; return the output row of the last token.
 

@@ -12,11 +12,11 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from .errors import ContextFullError, EdgespecError, ModelError
+from .gguf_check import inspect
 
 import llama_cpp as lc  # noqa: E402  (imports after our own modules on purpose: it prints nothing)
 
@@ -53,32 +53,13 @@ def last_log_error() -> str:
     return ""
 
 
-GGUF_MAGIC = b"GGUF"
-
-
-def check_gguf_file(path: str | os.PathLike) -> Path:
-    """Fail with one clear line if `path` is not a readable GGUF file."""
-    p = Path(path)
-    if not p.exists():
-        raise ModelError(f"model file not found: {p}")
-    if p.is_dir():
-        raise ModelError(f"model path is a directory, not a .gguf file: {p}")
-    try:
-        with p.open("rb") as f:
-            head = f.read(4)
-    except OSError as e:
-        raise ModelError(f"cannot read model file {p}: {e.strerror}") from None
-    if head != GGUF_MAGIC:
-        raise ModelError(f"not a GGUF file (bad magic {head!r}): {p}")
-    return p
-
-
 class Model:
     """A loaded GGUF model and its vocabulary."""
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0):
         backend_init()
-        self.path = check_gguf_file(path)
+        self.info = inspect(path)  # a damaged file gets a clear line before llama.cpp sees it
+        self.path = self.info.path
         params = lc.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
         _LOG.clear()
@@ -318,7 +299,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, threads
     backend_init()
     if qtype not in QUANT_TYPES:
         raise EdgespecError(f"unknown quantization {qtype!r}; choose one of {', '.join(QUANT_TYPES)}")
-    check_gguf_file(src)
+    inspect(src)
     params = lc.llama_model_quantize_default_params()
     params.ftype = QUANT_TYPES[qtype]
     params.nthread = threads or default_threads()

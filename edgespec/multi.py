@@ -17,7 +17,7 @@ length for all sequences (shorter drafts padded) against each sequence's own con
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
@@ -32,7 +32,10 @@ from .events import Stats, StepEvent
 from .kv import KVSeq, decode_chains
 from .llama import Context, ContextConfig
 from .sampling import SamplingConfig, pick
+from .steps import clip, step_event
 from .verify import verify_step
+
+log = logging.getLogger(__name__)
 
 METHODS = ("none", "ngram", "lookahead", "auto")
 PROBE_EVERY = 16  # steps without drafts before one token is drafted anyway (estimates recover)
@@ -96,17 +99,15 @@ class MultiDecoder:
                 f"--spec {method} decodes one sequence at a time; with -np > 1 choose one of {', '.join(METHODS)}"
             )
         if method == "auto" and engine.draft_model is not None and not quiet:
-            print("edgespec: with -np above 1, --spec auto drafts with lookahead only (the draft model is unused)",
-                  file=sys.stderr)
+            log.warning("with -np above 1, --spec auto drafts with lookahead only (the draft model is unused)")
         self.engine = engine
         self.method = "lookahead" if method == "auto" else method
         self.cost: CostModel = engine.cost
         exact = self.cost.max_exact_rows
         if n_parallel > exact:
             if not quiet:
-                print(f"edgespec: {engine.target.path.name}: batches of more than {exact} rows are not bit-exact "
-                      f"with this build, so at most {exact} sequences decode together (a q4_0 variant allows more)",
-                      file=sys.stderr)
+                log.warning(f"{engine.target.path.name}: batches of more than {exact} rows are not bit-exact "
+                      f"with this build, so at most {exact} sequences decode together (a q4_0 variant allows more)")
             n_parallel = exact
         self.n_parallel = max(1, n_parallel)
         cfg = engine.cfg
@@ -154,7 +155,8 @@ class MultiDecoder:
                             break
                         try:
                             g, ev = self._admit(job, i)
-                        except EdgespecError as e:
+                        except Exception as e:  # that request's error; the others go on
+                            self.kvs[i].reset()
                             yield "error", job, e
                             continue
                         yield "step", g, ev
@@ -166,7 +168,16 @@ class MultiDecoder:
                 active = [g for g in slots if g is not None]
                 if not active:
                     return
-                for g, ev in self._step(active):
+                try:
+                    steps = self._step(active)
+                except Exception as e:  # a failed decode fails the requests it carried, not the batch
+                    steps = []
+                    for i, g in enumerate(slots):
+                        if g is not None:
+                            self._finish(g)
+                            slots[i] = None
+                            yield "error", g.job, e
+                for g, ev in steps:
                     yield "step", g, ev
                 for i, g in enumerate(slots):
                     if g is not None and (g.done or g.stopped):
@@ -211,8 +222,6 @@ class MultiDecoder:
     def _emit(self, g: SeqGeneration, committed: list[int], draft: Draft, accepted: list[int],
               t_draft: float, t_verify: float, step: int) -> StepEvent:
         """`draft`: the drafter's own tokens (no padding); `accepted`: those of its nodes kept."""
-        from .runner import clip, step_event
-
         out, done = clip(g, committed)
         g.tokens.extend(out)
         g.context.extend(out)

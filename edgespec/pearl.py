@@ -28,6 +28,7 @@ from .errors import ContextFullError, EdgespecError
 from .events import Stats, StepEvent
 from .kv import KVSeq
 from .sampling import SamplingConfig, pick, sample, warp
+from .steps import clip, step_event
 from .verify import verify_greedy, verify_rejection_chain
 
 
@@ -40,7 +41,6 @@ class _DraftJob:
         self.probs: list[np.ndarray] = []
         self.cancelled = False
         self.done = False
-        self.t_busy = 0.0
         self.cond = threading.Condition()
 
     def wait_for(self, count: int) -> int:
@@ -54,6 +54,11 @@ class _DraftJob:
         with self.cond:
             self.cancelled = True
 
+    def finish(self) -> None:
+        with self.cond:
+            self.done = True
+            self.cond.notify_all()
+
 
 class DraftWorker(threading.Thread):
     """Owns the draft model's context; drafts one job at a time, token by token."""
@@ -62,13 +67,19 @@ class DraftWorker(threading.Thread):
         super().__init__(daemon=True, name="edgespec-draft")
         self.kv = kv
         self.sampling = sampling
-        self.seed = seed
+        # Draft draws are keyed by (key, job, offset) so that a seeded run is reproducible
+        # whatever the threads' timing. Without a seed the key is fresh entropy: a fixed key
+        # would make every drafted token a fixed function of its context instead of a draw
+        # from q, and the rejection rule would no longer give the target's distribution.
+        self.key = seed if seed is not None else np.random.SeedSequence().entropy
         self._jobs: list[_DraftJob] = []
         self._cv = threading.Condition()
         self._stopping = False
         self.error: BaseException | None = None
         self.t_idle = 0.0
+        self.t_busy = 0.0  # drafting time of every job, finished or cancelled (read after join)
         self._n_jobs = 0
+        self._ended = False
         self._current: _DraftJob | None = None
 
     def submit(self, base: list[int], n: int) -> _DraftJob:
@@ -77,8 +88,11 @@ class DraftWorker(threading.Thread):
         self._n_jobs += 1
         job = _DraftJob(list(base), n, self._n_jobs)
         with self._cv:
-            self._jobs.append(job)
-            self._cv.notify()
+            if self._ended:
+                job.finish()
+            else:
+                self._jobs.append(job)
+                self._cv.notify()
         return job
 
     def stop(self) -> None:
@@ -87,9 +101,10 @@ class DraftWorker(threading.Thread):
             for job in self._jobs:
                 job.cancel()
             self._jobs.clear()
+            current = self._current
             self._cv.notify()
-        if self._current is not None:
-            self._current.cancel()
+        if current is not None:
+            current.cancel()
 
     def run(self) -> None:
         try:
@@ -104,19 +119,24 @@ class DraftWorker(threading.Thread):
                     self._current = job
                 self.t_idle += time.perf_counter() - t0
                 self._draft(job)
-                self._current = None
+                with self._cv:
+                    self._current = None
         except BaseException as e:  # surfaced to the target thread
             self.error = e
+        finally:
+            with self._cv:
+                self._ended = True
+                leftover, self._jobs = self._jobs, []
+            for job in leftover:  # nobody will draft them: wake whoever waits
+                job.finish()
 
     def _draft(self, job: _DraftJob) -> None:
         t0 = time.perf_counter()
         try:
+            if job.cancelled:
+                return
             ctx = self.kv.ctx
-            keep = self.kv.common_prefix(job.base)
-            if keep == len(job.base):
-                keep -= 1
-            self.kv.truncate(keep)
-            row = self.kv.extend(job.base[keep:])
+            row, _ = self.kv.sync(job.base)
             for i in range(job.n):
                 if job.cancelled:
                     return
@@ -125,8 +145,7 @@ class DraftWorker(threading.Thread):
                     x, q = int(np.argmax(logits)), None
                 else:
                     q = warp(logits, self.sampling)
-                    # keyed by (seed, round, offset): the same whatever the threads' timing
-                    rng = np.random.default_rng([self.seed or 0, job.epoch, i])
+                    rng = np.random.default_rng([self.key, job.epoch, i])
                     x = sample(q, rng)
                 with job.cond:
                     job.tokens.append(x)
@@ -138,10 +157,8 @@ class DraftWorker(threading.Thread):
                 elif i + 1 < job.n:
                     return
         finally:
-            job.t_busy = time.perf_counter() - t0
-            with job.cond:
-                job.done = True
-                job.cond.notify_all()
+            self.t_busy += time.perf_counter() - t0
+            job.finish()
 
 
 @dataclass
@@ -168,29 +185,28 @@ class PearlGeneration:
         ctx, kv = eng.ctx, eng.kv
         gamma = max(1, min(self.gamma, eng.cost.max_exact_rows - 1))
         rng = np.random.default_rng(cfg.seed)
+        if not self.prompt:
+            raise EdgespecError("empty prompt")
         if len(self.prompt) >= ctx.n_ctx:
             raise ContextFullError(f"prompt of {len(self.prompt)} tokens does not fit in a context of {ctx.n_ctx} tokens (raise -c)")
         st.n_prompt = len(self.prompt)
         st.finish_reason = "interrupted"
-        worker = DraftWorker(eng.draft_kv, cfg, cfg.seed)
-        worker.start()
         t0 = time.perf_counter()
         kv.reset()
         row = kv.extend(self.prompt)
         first = pick(ctx.logits(row), cfg, rng)
         st.t_prompt = time.perf_counter() - t0
+        worker = DraftWorker(eng.draft_kv, cfg, cfg.seed)
+        worker.start()
         t_start = time.perf_counter()
         pending: list[int] = [first]  # committed, not in the target's cache
         carry = None  # the target's verdict for the next position, known but not yet used
         job, used = None, 0  # the running draft job and how many of its tokens were verified
-        busy = 0.0
-        out, done = self._clip([first])
-        yield self._emit(StepEvent(0, 0, 0, 0, tuple(out), (False,) * len(out), 0.0, 0.0, "pearl"), out)
         try:
+            out, done = self._clip([first])
+            yield self._emit(step_event(0, Draft(), [], out, 0.0, 0.0, "pearl"), out)
             step = 0
             while not done:
-                if worker.error:
-                    raise worker.error
                 step += 1
                 base = self.prompt + self.tokens
                 if kv.room() < len(pending) + gamma + 1:
@@ -204,6 +220,8 @@ class PearlGeneration:
                 tw = time.perf_counter()
                 have = job.wait_for(used + need) - used
                 t_wait = time.perf_counter() - tw
+                if worker.error is not None:
+                    raise worker.error
                 if have <= 0:  # the draft model's context is full: stop as plain decoding would
                     st.finish_reason = "context"
                     return
@@ -222,37 +240,31 @@ class PearlGeneration:
                     used += n  # d1 accepted: the rest of this job becomes the post-verify draft
                     pending = []
                     if used >= job.n:
-                        busy += job.t_busy
                         job = None
                 elif mode == "pre":
                     job.cancel()  # rejected: the round ends early, the rest is dropped
-                    busy += job.t_busy
                     job, pending = None, [nxt]
                     st.n_early_exit += 1
+                elif all_ok:
+                    job, used, pending = next_job, 0, []
                 else:
-                    busy += job.t_busy
-                    if all_ok:
-                        job, used, pending = next_job, 0, []
-                    else:
-                        next_job.cancel()
-                        job, pending = None, [nxt]
+                    next_job.cancel()
+                    job, pending = None, [nxt]
                 st.n_pre += mode == "pre"
                 st.n_post += mode == "post"
                 out, done = self._clip(committed)
-                n_acc = min(len(accepted), len(out))
                 st.t_gen = time.perf_counter() - t_start
-                yield self._emit(StepEvent(
-                    step, len(draft), n_acc, 1, tuple(out), tuple(i < n_acc for i in range(len(out))),
-                    t_wait, t_verify, "pearl", tuple(range(1, n_acc + 1)), (1,) * len(draft), mode=mode,
-                ), out)
+                yield self._emit(step_event(step, draft, accepted, out, t_wait, t_verify, "pearl", mode), out)
         finally:
             st.t_gen = time.perf_counter() - t_start
             worker.stop()
-            worker.join(timeout=5)
+            # No timeout: the worker may be inside a decode of the draft context, and the next
+            # generation (or Engine.close) must not touch that context before it returns.
+            worker.join()
             st.t_idle_draft = worker.t_idle
-            st.t_draft_busy = busy
+            st.t_draft_busy = worker.t_busy
             # drafting the target did not wait for ran behind verification
-            st.t_draft_hidden = max(0.0, busy - st.t_draft)
+            st.t_draft_hidden = max(0.0, worker.t_busy - st.t_draft)
 
     def _verify(self, kv: KVSeq, pending, draft: Draft, carry, rng):
         """Verify a chain. With `carry` (the target's verdict for the next position, from the
@@ -295,6 +307,4 @@ class PearlGeneration:
         return ev
 
     def _clip(self, committed: list[int]) -> tuple[list[int], bool]:
-        from .runner import clip
-
         return clip(self, committed)

@@ -9,6 +9,7 @@ own -> the KV cache keeps exactly the committed tokens -> a StepEvent goes out. 
 from __future__ import annotations
 
 import codecs
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -25,7 +26,10 @@ from .events import Stats, StepEvent
 from .kv import KVSeq
 from .llama import Context, ContextConfig, Model
 from .sampling import SamplingConfig, pick
+from .steps import clip, step_event
 from .verify import verify_step
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,11 @@ class Engine:
             self.draft_cost = load_or_measure(self.draft_ctx, self.draft_kv, cache_root() / "costs.json",
                                               cfg.n_gpu_layers_draft, quiet)
         self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet)
+        if cfg.kv_type != "q8_0":
+            log.warning("with an %s KV cache, llama.cpp takes other attention kernels for one row and for many on a CPU (past 512 "
+                        "cells): verified batches may differ from plain decoding in the last bits, so greedy "
+                        "speculative output can differ from plain at near-ties (the q8_0 default keeps it exact)",
+                        cfg.kv_type)
 
     # -- prompts --------------------------------------------------------------------------
 
@@ -228,46 +237,6 @@ class Generation:
 
     def _clip(self, committed: list[int]) -> tuple[list[int], bool]:
         return clip(self, committed)
-
-
-def clip(gen, committed: list[int]) -> tuple[list[int], bool]:
-    """Cut a step's tokens at end-of-generation or the token limit (`gen`: any generation with
-    engine, tokens, max_tokens and stats); True when the generation is over."""
-    out: list[int] = []
-    is_eog = gen.engine.target.is_eog
-    for t in committed:
-        if is_eog(t):
-            gen.stats.finish_reason = "stop"
-            return out, True
-        out.append(t)
-        if len(gen.tokens) + len(out) >= gen.max_tokens:
-            gen.stats.finish_reason = "length"
-            return out, True
-    return out, False
-
-
-def step_event(step: int, draft: Draft, accepted: list[int], out: list[int], t_draft: float, t_verify: float,
-               drafter: str) -> StepEvent:
-    """The event of one verification step: `accepted` are draft nodes, `out` the tokens the
-    step committed after `clip` (a step cut at end-of-generation keeps fewer)."""
-    acc_depths = tuple(range(1, len(accepted) + 1)) if draft.is_chain else tuple(draft.depths()[a] for a in accepted)
-    n_acc = min(len(accepted), len(out))
-    return StepEvent(
-        step=step, n_drafted=len(draft), n_accept=n_acc, n_branches=len(draft.leaves()) if draft.tokens else 0,
-        tokens=tuple(out), from_draft=tuple(i < n_acc for i in range(len(out))),
-        t_draft=t_draft, t_verify=t_verify, drafter=drafter,
-        accepted_depth=acc_depths[:n_acc], drafted_depth=_depth_counts(draft),
-    )
-
-
-def _depth_counts(draft: Draft) -> tuple[int, ...]:
-    if not draft.tokens:
-        return ()
-    ds = draft.depths()
-    counts = [0] * max(ds)
-    for d in ds:
-        counts[d - 1] += 1
-    return tuple(counts)
 
 
 class TextStream:

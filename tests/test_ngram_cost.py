@@ -17,9 +17,10 @@ def test_ngram_no_match_drafts_nothing():
     d = NgramDrafter()
     d.begin([1, 2, 3])
     b = Budget(16, 8, 1, flat(), SamplingConfig())
-    assert d.propose([1, 2, 3, 77], b).tokens == []
-    draft = d.propose([1, 2, 3, 1, 2], b)
-    assert draft.tokens[:1] == [3] and draft.is_chain
+    assert d.propose([1, 2, 3, 77], b).tokens == []  # 77 was never seen: nothing to draft
+    # the same sequence, grown by the tokens committed since: [1, 2] was seen, followed by 3, 77
+    draft = d.propose([1, 2, 3, 77, 1, 2], b)
+    assert draft.tokens[:2] == [3, 77] and draft.is_chain
 
 
 def test_cost_model_sizes_drafts_by_cost():

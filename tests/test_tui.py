@@ -46,7 +46,8 @@ def test_conversation_reply_and_stats(smol, tmp_path):
         app = ChatApp(_session(smol), export_dir=tmp_path)
         async with app.run_test(size=(100, 32)) as pilot:
             await _send(app, pilot, "Repeat exactly: red green blue, red green blue.")
-            assert app.busy or app.session.messages
+            shown = list(app.query(Turn))
+            assert shown[0].role == "user" and "red green blue" in shown[0].text  # at once, before the reply
             await _wait_idle(app, pilot)
             turns = list(app.query(Turn))
             assert [t.role for t in turns] == ["user", "assistant"]

@@ -7,6 +7,7 @@ however fast tokens come.
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import datetime
 from pathlib import Path
@@ -237,6 +238,9 @@ class ChatApp(App):
         except EdgespecError as e:
             self._flush()
             self.post_message(self.Done(error=str(e)))
+        except Exception as e:  # the UI outlives a failed reply; the text so far stays on screen
+            self._flush()
+            self.post_message(self.Done(error=f"internal error: {type(e).__name__}: {e}"))
 
     def _flush(self) -> None:
         evs, self._pending = self._pending, []
@@ -352,18 +356,44 @@ class ChatApp(App):
         self.set_status("green: tokens from accepted drafts" if self.marked else "Markdown view")
 
     def action_export(self) -> None:
-        self.export_dir.mkdir(parents=True, exist_ok=True)
         path = self.export_dir / f"edgespec-chat-{datetime.now():%Y%m%d-%H%M%S}.md"
         lines = [f"# edgespec chat ({self.session.model_name})", ""]
         if self.session.system:
             lines += [f"**system:** {self.session.system}", ""]
         for m in self.session.messages:
             lines += [f"## {m['role']}", "", m["content"], ""]
-        path.write_text("\n".join(lines), encoding="utf-8")
+        try:
+            self.export_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(lines), encoding="utf-8")
+        except OSError as e:
+            self.set_status(f"cannot export to {path}: {e.strerror or e}")
+            return
         self.last_export = path
         self.set_status(f"exported to {path}")
 
 
+class _NotifyHandler(logging.Handler):
+    """The core's notes (logging) as notifications on the screen, not over it."""
+
+    def __init__(self, app: ChatApp):
+        super().__init__(logging.INFO)
+        self.app = app
+
+    def emit(self, record: logging.LogRecord) -> None:
+        severity = "warning" if record.levelno >= logging.WARNING else "information"
+        try:
+            self.app.call_from_thread(self.app.notify, record.getMessage(), severity=severity)
+        except RuntimeError:  # called from the app's own thread
+            self.app.notify(record.getMessage(), severity=severity)
+
+
 def run_app(session: ChatSession) -> int:
-    ChatApp(session).run()
+    app = ChatApp(session)
+    lg = logging.getLogger("edgespec")
+    saved = lg.handlers[:]
+    lg.handlers = [_NotifyHandler(app)]
+    try:
+        app.run()
+    finally:
+        lg.handlers = saved
     return 0

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..draft import Draft
 from ..errors import VocabMismatchError
+from ..gguf_check import compare_vocab
 from ..kv import KVSeq
 from ..llama import Model
 from ..sampling import sample, warp
@@ -20,24 +21,19 @@ from .base import Budget, Calibration
 
 
 def check_vocab(target: Model, draft: Model) -> None:
-    """Raise a clear error naming what differs between the two vocabularies."""
+    """Raise a clear error naming what differs between the two vocabularies (every token)."""
+    compare_vocab(target.info, draft.info)
+    if target.vocab_type != draft.vocab_type:
+        raise VocabMismatchError(f"draft tokenizer type {draft.vocab_type} differs from target's {target.vocab_type}")
     if target.n_vocab != draft.n_vocab:
         raise VocabMismatchError(
             f"draft vocabulary differs from target: {draft.n_vocab} tokens ({draft.arch}) vs "
             f"{target.n_vocab} ({target.arch})"
         )
-    if target.vocab_type != draft.vocab_type:
-        raise VocabMismatchError(f"draft tokenizer type {draft.vocab_type} differs from target's {target.vocab_type}")
     for name in ("bos", "eos"):
         a, b = getattr(target, name), getattr(draft, name)
         if a != b:
             raise VocabMismatchError(f"draft {name.upper()} token {b} differs from target's {a}")
-    step = max(1, target.n_vocab // 997)
-    for t in range(0, target.n_vocab, step):
-        if target.token_text(t) != draft.token_text(t):
-            raise VocabMismatchError(
-                f"draft vocabulary differs from target at token {t}: {draft.token_text(t)!r} vs {target.token_text(t)!r}"
-            )
 
 
 class DraftModelDrafter:
@@ -79,52 +75,47 @@ class DraftModelDrafter:
             else:
                 self._probe_every = 32
             self._skipped = 0
-        keep = self.kv.common_prefix(context)
-        if keep == len(context):
-            keep -= 1  # the last token must be decoded again to get its logits
-        self.kv.truncate(keep)
         t0 = time.perf_counter()
-        row = self.kv.extend(context[keep:])
-        if len(context) - keep <= 2:  # a catch-up of a token or two costs about one draft step
+        row, n_new = self.kv.sync(context)
+        if n_new <= 2:  # a catch-up of a token or two costs about one draft step
             self._time_token(time.perf_counter() - t0)
         ctx = self.kv.ctx
-        greedy = budget.sampling.greedy
+        sampling = budget.sampling
         tokens: list[int] = []
         probs: list[np.ndarray] = []
         est: list[float] = []
         path: list[float] = []
-        while True:
+        while len(tokens) < limit:
             logits = ctx.logits(row)
-            if greedy:
-                x = int(np.argmax(logits))
-                conf = float(1.0 / np.exp(logits - logits[x]).sum())
-            else:
-                q = warp(logits, budget.sampling)
-                x = sample(q, self.rng)
-                conf = float(q[x])
-                probs.append(q)
-            d = len(tokens) + 1
-            self.mean_conf = 0.95 * self.mean_conf + 0.05 * conf
-            cond = min(1.0, conf * self.calib.factor(d))
-            if len(tokens) >= self.n_min and self.p_min > 0 and conf < self.p_min:
-                if not greedy:
-                    probs.pop()
-                break
+            q = None if sampling.greedy else warp(logits, sampling)
+            # Whether to draft this position is decided from what is known BEFORE its token is
+            # drawn: the top probability of the distribution, never the drawn token's own. A
+            # sampled token kept or dropped by its own probability would reach the verifier with
+            # another law than q, and the rejection rule would no longer give the target's
+            # distribution (toy: q = (0.9, 0.1), p = (0.5, 0.5), "keep x if q[x] >= 0.5" commits
+            # 0.545 / 0.455). The draft length is a stopping time; the tokens are never filtered.
+            top = _top_prob(logits) if q is None else float(q.max())
+            self.mean_conf = 0.95 * self.mean_conf + 0.05 * top
+            cond = min(1.0, top * self.calib.factor(len(tokens) + 1))
+            nxt_path = (path[-1] if path else 1.0) * cond
+            if len(tokens) >= self.n_min:
+                if self.p_min > 0 and top < self.p_min:
+                    break
+                if budget.size(path + [nxt_path], self.t_token) <= len(tokens):
+                    break  # one more token would not pay for its row and its drafting
+            x = int(np.argmax(logits)) if q is None else sample(q, self.rng)
             tokens.append(x)
-            est.append(min(1.0, conf))
-            path.append((path[-1] if path else 1.0) * cond)
-            if len(tokens) >= limit:
-                break
-            if len(tokens) > self.n_min and budget.size(path, self.t_token) < len(tokens):
-                break
-            t0 = time.perf_counter()
-            row = self.kv.extend([x])
-            self._time_token(time.perf_counter() - t0)
-        n = max(self.n_min, budget.size(path, self.t_token)) if tokens else 0
-        n = min(n, len(tokens))
-        if n < max(1, self.n_min):
+            if q is not None:
+                probs.append(q)
+            est.append(min(1.0, top))
+            path.append(nxt_path)
+            if len(tokens) < limit:
+                t0 = time.perf_counter()
+                row = self.kv.extend([x])
+                self._time_token(time.perf_counter() - t0)
+        if len(tokens) < max(1, self.n_min):
             return Draft()
-        return Draft.chain(tokens[:n], probs[:n] if not greedy else None, self.name, est[:n])
+        return Draft.chain(tokens, probs or None, self.name, est)
 
     def _time_token(self, dt: float) -> None:
         self.t_token = dt if self.t_token == 0 else 0.9 * self.t_token + 0.1 * dt
@@ -135,3 +126,8 @@ class DraftModelDrafter:
 
     def end(self) -> None:
         pass
+
+
+def _top_prob(logits: np.ndarray) -> float:
+    """The softmax probability of the most likely token."""
+    return float(1.0 / np.exp(logits - logits.max()).sum())

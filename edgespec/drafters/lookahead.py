@@ -8,12 +8,14 @@ branches are released when a request ends, output branches are saved.
 
 from __future__ import annotations
 
-import sys
+import logging
 from pathlib import Path
 
 from ..draft import Draft
 from ..trie import OUTPUT, PROMPT, Cursor, TokenTrie
 from .base import Budget, Calibration
+
+log = logging.getLogger(__name__)
 
 
 class LookaheadDrafter:
@@ -101,7 +103,7 @@ def load_trie(cache_path: Path | None, window: int = 16) -> TokenTrie:
         try:
             return TokenTrie.load(cache_path)
         except (OSError, ValueError, KeyError) as e:
-            print(f"edgespec: ignoring unreadable lookahead cache {cache_path}: {e}", file=sys.stderr)
+            log.warning("ignoring unreadable lookahead cache %s: %s", cache_path, e)
     return TokenTrie(window=window)
 
 
@@ -112,7 +114,7 @@ def release_and_save(trie: TokenTrie, cache_path) -> None:
         try:
             trie.save(cache_path)
         except OSError as e:
-            print(f"edgespec: cannot save lookahead cache {cache_path}: {e.strerror}", file=sys.stderr)
+            log.warning("cannot save lookahead cache %s: %s", cache_path, e.strerror)
 
 
 def new_calibration(max_match: int = 8) -> dict[int, Calibration]:

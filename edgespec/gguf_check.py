@@ -1,0 +1,186 @@
+"""A GGUF file checked with ggml's own GGUF parser before llama.cpp loads it.
+
+llama.cpp reports a truncated or damaged file as one vague log line (or not at all); this check
+names what is wrong: a header cut short, tensor data past the end of the file, no vocabulary.
+It also gives the whole token list, so a draft model's vocabulary is compared with the target's
+token by token.
+
+Why ggml's parser (`gguf_init_from_file` in libggml-base, shipped inside llama-cpp-python, bound
+here with ctypes) and not the `gguf` package's GGUFReader: the reader walks every array element
+in Python and took 4.5 s on SmolLM2's header and 21 s on Gemma 3's (262,144 tokens) here, on
+every load; ggml's parser is the one llama.cpp then uses, and reads the same headers in
+milliseconds. The `gguf` package writes the synthetic files of the tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ModelError, VocabMismatchError
+
+GGUF_MAGIC = b"GGUF"
+TOKENS_KEY = "tokenizer.ggml.tokens"
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+_lib = None
+
+
+def _ggml():
+    """libggml-base from llama-cpp-python's own folder, with the gguf_* signatures we use."""
+    global _lib
+    if _lib is None:
+        import llama_cpp
+
+        from .llama import backend_init
+
+        backend_init()  # ggml's messages go to llama.cpp's log callback, not the terminal
+        folder = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+        names = sorted(glob.glob(os.path.join(folder, "*ggml-base*")), key=len)
+        if not names:
+            raise ModelError(f"cannot find libggml-base in {folder} (a broken llama-cpp-python install?)")
+        lib = ctypes.CDLL(names[0])
+        c, i64, sz, p = ctypes.c_char_p, ctypes.c_int64, ctypes.c_size_t, ctypes.c_void_p
+        for name, res, args in [
+            ("gguf_init_from_file", p, [c, _InitParams]), ("gguf_free", None, [p]),
+            ("gguf_get_data_offset", sz, [p]), ("gguf_get_n_tensors", i64, [p]),
+            ("gguf_get_tensor_offset", sz, [p, i64]), ("gguf_get_tensor_size", sz, [p, i64]),
+            ("gguf_get_tensor_name", c, [p, i64]), ("gguf_find_key", i64, [p, c]),
+            ("gguf_get_arr_n", sz, [p, i64]), ("gguf_get_arr_str", c, [p, i64, sz]),
+            ("gguf_get_val_str", c, [p, i64]),
+        ]:
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        _lib = lib
+    return _lib
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    path: Path | None
+    arch: str
+    n_tensors: int
+    n_tokens: int  # vocabulary size (0: the file has none)
+    _tokens: list = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def tokens(self) -> tuple[bytes, ...]:
+        """The vocabulary as stored, read on first use (a draft model's check needs it)."""
+        if not self._tokens and self.n_tokens:
+            self._tokens.append(_read_tokens(self.path))
+        return self._tokens[0] if self._tokens else ()
+
+
+_cache: dict[tuple, GGUFInfo] = {}
+
+
+def check_file(path: str | os.PathLike) -> Path:
+    """Fail with one clear line if `path` is not a readable GGUF file (exists, not a folder,
+    starts with the GGUF magic)."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelError(f"model file not found: {p}")
+    if p.is_dir():
+        raise ModelError(f"model path is a directory, not a .gguf file: {p}")
+    try:
+        with p.open("rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {p}: {e.strerror}") from None
+    if head != GGUF_MAGIC:
+        raise ModelError(f"not a GGUF file (bad magic {head!r}): {p}")
+    return p
+
+
+def inspect(path: str | os.PathLike, need_vocab: bool = True) -> GGUFInfo:
+    """Read the header, metadata and tensor table; check that every tensor's data lies inside
+    the file and (with `need_vocab`) that there is a vocabulary. Cached per file version."""
+    p = check_file(path)
+    st = p.stat()
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    info = _cache.get(key)
+    if info is None:
+        info = _cache[key] = _read(p, st.st_size)
+    if need_vocab and not info.n_tokens:
+        raise ModelError(f"{p} has no vocabulary ({TOKENS_KEY} is missing): not a model llama.cpp can run")
+    return info
+
+
+def _open(p: Path):
+    """ggml's parser on `p`: (its context or None, what it printed). ggml's GGUF reader writes
+    its complaints straight to stderr; they are caught here and go into our one-line error."""
+    lib = _ggml()
+    with tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            ctx = lib.gguf_init_from_file(str(p).encode(), _InitParams(True, None))
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        said = tmp.read().decode("utf-8", "replace").strip()
+    return ctx, said
+
+
+def _read(p: Path, size: int) -> GGUFInfo:
+    lib = _ggml()
+    ctx, said = _open(p)
+    if not ctx:
+        detail = said.splitlines()[-1] if said else "ggml could not parse its header"
+        raise ModelError(f"cannot load model {p}: truncated or corrupt GGUF header ({detail})")
+    try:
+        base = lib.gguf_get_data_offset(ctx)
+        n = lib.gguf_get_n_tensors(ctx)
+        for t in range(n):
+            end = base + lib.gguf_get_tensor_offset(ctx, t) + lib.gguf_get_tensor_size(ctx, t)
+            if end > size:
+                name = lib.gguf_get_tensor_name(ctx, t).decode("utf-8", "replace")
+                raise ModelError(f"cannot load model {p}: truncated or corrupt (tensor {name} ends at byte {end}, "
+                                 f"the file has {size}; download or copy it again)")
+        k = lib.gguf_find_key(ctx, b"general.architecture")
+        arch = lib.gguf_get_val_str(ctx, k).decode("utf-8", "replace") if k >= 0 else "?"
+        k = lib.gguf_find_key(ctx, TOKENS_KEY.encode())
+        n_tokens = lib.gguf_get_arr_n(ctx, k) if k >= 0 else 0
+        return GGUFInfo(p, arch, n, n_tokens)
+    finally:
+        lib.gguf_free(ctx)
+
+
+def _read_tokens(p: Path) -> tuple[bytes, ...]:
+    lib = _ggml()
+    ctx, _ = _open(p)
+    if not ctx:
+        raise ModelError(f"cannot read the vocabulary of {p}")
+    try:
+        k = lib.gguf_find_key(ctx, TOKENS_KEY.encode())
+        get = lib.gguf_get_arr_str
+        return tuple(get(ctx, k, i) for i in range(lib.gguf_get_arr_n(ctx, k)))
+    finally:
+        lib.gguf_free(ctx)
+
+
+def compare_vocab(target: GGUFInfo, draft: GGUFInfo) -> None:
+    """Raise naming the first token that differs between two vocabularies (all of them compared)."""
+    if target.n_tokens != draft.n_tokens:
+        raise VocabMismatchError(f"draft vocabulary differs from target: {draft.n_tokens} tokens ({draft.arch}) vs "
+                                 f"{target.n_tokens} ({target.arch})")
+    a, b = target.tokens, draft.tokens
+    if a == b:
+        return
+    if len(a) != len(b):
+        raise VocabMismatchError(f"draft vocabulary differs from target: {len(b)} tokens ({draft.arch}) vs "
+                                 f"{len(a)} ({target.arch})")
+    i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    raise VocabMismatchError(f"draft vocabulary differs from target at token {i}: "
+                             f"{b[i].decode('utf-8', 'replace')!r} vs {a[i].decode('utf-8', 'replace')!r}")
