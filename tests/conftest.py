@@ -3,7 +3,7 @@
 import pytest
 
 from edgespec.costmodel import flat
-from edgespec.runner import Engine, EngineConfig
+from edgespec.engine import Engine, EngineConfig
 from edgespec.sampling import SamplingConfig
 
 GREEDY = SamplingConfig(temp=0.0)

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from conftest import PROMPTS
-from edgespec.batch import (
-    CHAT_URL, DUPLICATE, TEXT_URL, Defaults, Done, Request, TextTracker, parse_line, pending_requests, read_requests,
+from edgespec.frontends.batch import (
+    CHAT_URL, DUPLICATE, TEXT_URL, Defaults, Done, Request, parse_line, pending_requests, read_requests,
     run_requests, scan_output,
 )
-from edgespec.cli import main
+from edgespec.frontends.cli import main
+from edgespec.text import TextStream
 from edgespec.sampling import SamplingConfig
 
 D = Defaults(64, SamplingConfig())
@@ -98,7 +99,7 @@ def test_scan_output_cuts_a_torn_last_line(tmp_path):
 
 
 def test_one_output_file_has_one_writer(tmp_path):
-    from edgespec.batch import Writer
+    from edgespec.frontends.batch import Writer
     from edgespec.errors import EdgespecError
 
     first = Writer(str(tmp_path / "out.jsonl"))
@@ -119,11 +120,13 @@ class _Vocab:
 
 
 def test_stop_string_across_tokens_cuts_the_text():
-    tr = TextTracker(_Vocab({0: b"count 1", 1: b"4, 1", 2: b"5, 16", 3: "é".encode()[:1], 4: "é".encode()[1:]}), ["15"])
-    assert not tr.feed([0, 1])
-    assert tr.feed([2])
-    assert tr.final() == "count 14, "
-    tr = TextTracker(_Vocab({3: "é".encode()[:1], 4: "é".encode()[1:]}), [])
+    tr = TextStream(_Vocab({0: b"count 1", 1: b"4, 1", 2: b"5, 16", 3: "é".encode()[:1], 4: "é".encode()[1:]}), ["15"])
+    shown = tr.feed([0, 1])
+    assert not tr.hit
+    shown += tr.feed([2])
+    assert tr.hit
+    assert tr.final() == "count 14, " and shown == "count 14, "  # a streamed piece never shows the stop
+    tr = TextStream(_Vocab({3: "é".encode()[:1], 4: "é".encode()[1:]}), [])
     tr.feed([3])
     tr.feed([4])
     assert tr.final() == "é"  # a character split over two tokens is not mangled
@@ -275,7 +278,7 @@ def test_resume_after_sigkill_completes_without_duplicates(tmp_path):
 
 
 def test_split_passes_follows_llama_cpp():
-    from edgespec.multi import split_passes
+    from edgespec.schedulers.multi import split_passes
 
     assert split_passes([1, 1, 1, 1]) == [[(0, 1), (1, 1), (2, 1), (3, 1)]]
     assert split_passes([9, 1, 1, 1]) == [[(0, 1), (1, 1), (2, 1), (3, 1)], [(0, 8)]]
@@ -306,7 +309,7 @@ def test_sigterm_stops_keeping_finished_results(tmp_path):
 
 def test_parallel_equals_one_at_a_time_with_sliding_window_attention():
     """Gemma 3 (sliding-window layers) in per-sequence KV streams."""
-    from edgespec.runner import Engine, EngineConfig
+    from edgespec.engine import Engine, EngineConfig
 
     eng = Engine(EngineConfig(model="gemma3-270m:q4_0", n_ctx=1024, threads=2, max_branches=1))
     try:
@@ -327,7 +330,7 @@ def test_layout_choice_follows_the_cost_curve():
     from types import SimpleNamespace
 
     from edgespec.costmodel import KS, CostModel, flat
-    from edgespec.multi import MultiDecoder
+    from edgespec.schedulers.multi import MultiDecoder
 
     dec = object.__new__(MultiDecoder)
     dec.n_parallel, dec._zero_steps = 4, 0
@@ -357,7 +360,7 @@ def test_seed_minus_one_is_random_and_other_negative_seeds_are_refused():
 
 
 def test_writer_locks_before_it_truncates(tmp_path):
-    from edgespec.batch import Writer
+    from edgespec.frontends.batch import Writer
     from edgespec.errors import EdgespecError
 
     path = tmp_path / "out.jsonl"

@@ -9,7 +9,7 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgespec.batch import (
+from edgespec.frontends.batch import (
     Defaults, Writer, pending_requests, read_requests, run_requests, scan_output,
 )
 from edgespec.sampling import SamplingConfig

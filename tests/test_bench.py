@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from edgespec import bench, cli
-from edgespec.suites import load_suite, parse_jsonl
+from edgespec.frontends import bench, cli
+from edgespec.frontends.bench import run as bench_run
+from edgespec.frontends.bench.suites import load_suite, parse_jsonl
 from edgespec.errors import EdgespecError
 
 SUITE = [
@@ -52,7 +53,7 @@ def test_report_fields(tmp_path, suite_file, capsys):
 
 
 def test_mismatch_is_flagged(suite_file, monkeypatch, capsys):
-    real = bench.run_method
+    real = bench_run.run_method
 
     def broken(eng, tokens, n, method):
         g = real(eng, tokens, n, method)
@@ -60,7 +61,7 @@ def test_mismatch_is_flagged(suite_file, monkeypatch, capsys):
             g.tokens[len(g.tokens) // 2] += 1
         return g
 
-    monkeypatch.setattr(bench, "run_method", broken)
+    monkeypatch.setattr(bench_run, "run_method", broken)
     rc = cli.main(["bench", "-m", "smollm2-135m-instruct:q4_0", "-t", "2", "--suite", str(suite_file),
                    "--methods", "none,ngram", "-n", "24"])
     assert rc == 3

@@ -204,3 +204,19 @@ def test_kv_type_f16_says_what_it_costs():
     r = es("run", "-m", SMOL, "-p", "hi", "-n", "2", "--kv-type", "f16", "--spec", "none")
     assert r.returncode == 0, r.stderr
     assert "f16 KV cache" in r.stderr and "may differ from plain decoding" in r.stderr
+
+
+def test_registry_is_the_one_list_of_methods():
+    """The CLI's choices, the README's table and the chat UI's switch come from `methods`."""
+    import re
+    from pathlib import Path
+
+    from edgespec import methods
+    from edgespec.frontends.cli import build_parser
+
+    spec = next(a for a in build_parser()._subparsers._group_actions[0].choices["run"]._actions if a.dest == "spec")
+    assert list(spec.choices) == methods.names()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Methods"):readme.index("## Commands")]
+    assert re.findall(r"^\| `(\w+)`", table, re.M) == methods.names()
+    assert methods.multi_sequence() == ["none", "ngram", "lookahead", "auto"]

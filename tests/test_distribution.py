@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 
 from edgespec.costmodel import flat
 from edgespec.drafters.draft_model import DraftModelDrafter
-from edgespec.runner import Engine, EngineConfig
+from edgespec.engine import Engine, EngineConfig
 from edgespec.sampling import SamplingConfig, warp
 
 L = 3  # tokens per completion: the first comes from the prefill, the others from drafted steps

@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import PROMPTS, Spy, generate
-from edgespec.runner import Engine, EngineConfig
+from edgespec.engine import Engine, EngineConfig
 
 N = 64
 

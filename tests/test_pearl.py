@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import PROMPTS
-from edgespec.runner import Engine, EngineConfig
+from edgespec.engine import Engine, EngineConfig
 from edgespec.sampling import SamplingConfig
 
 N = 64

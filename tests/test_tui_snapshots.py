@@ -6,7 +6,7 @@ pytest.importorskip("textual")
 pytest.importorskip("pytest_textual_snapshot")
 
 from edgespec.events import Stats, StepEvent  # noqa: E402
-from edgespec.session import Reply  # noqa: E402
+from edgespec.frontends.session import Reply  # noqa: E402
 from edgespec.tui.app import ChatApp, PromptInput  # noqa: E402
 
 WORDS = ["Speculative", " decoding", " drafts", " tokens", " cheaply", ";", " the", " target", " checks",

@@ -22,7 +22,7 @@ from textual.widgets import Footer, Header, Markdown, Sparkline, Static, TextAre
 
 from edgespec.errors import EdgespecError
 from edgespec.events import Stats, StepEvent
-from edgespec.session import ChatSession
+from edgespec.frontends.session import ChatSession
 
 REFRESH_S = 0.1
 

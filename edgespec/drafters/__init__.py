@@ -1,12 +1,9 @@
-"""Drafters by name. Each method lives in its own module."""
+"""Drafters: one module per method; `methods` (the registry) builds them by name."""
 
 from __future__ import annotations
 
 from ..draft import Draft
 from .base import Budget, Calibration, Drafter, NullDrafter
-
-METHODS = ("none", "ngram", "lookahead", "draft", "auto")
-
 
 class ChainDrafter:
     """Several drafters in order: the first that drafts wins the step (as llama.cpp chains)."""
@@ -40,4 +37,4 @@ class ChainDrafter:
             d.end()
 
 
-__all__ = ["Budget", "Calibration", "ChainDrafter", "Draft", "Drafter", "METHODS", "NullDrafter"]
+__all__ = ["Budget", "Calibration", "ChainDrafter", "Draft", "Drafter", "NullDrafter"]

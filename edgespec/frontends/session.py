@@ -10,10 +10,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import ContextFullError
-from .events import Stats, StepEvent
-from .runner import Engine, TextStream
-from .sampling import SamplingConfig
+from .. import methods
+from ..engine import Engine
+from ..errors import ContextFullError
+from ..events import Stats, StepEvent
+from ..sampling import SamplingConfig
+from ..text import TextStream
 
 
 @dataclass
@@ -45,12 +47,8 @@ class ChatSession:
         return self.engine.target.detokenize([token])
 
     def methods(self) -> list[str]:
-        out = ["none", "lookahead", "ngram"]
-        if self.engine.draft_model is not None:
-            out += ["draft", "auto", "pearl"]
-        else:
-            out += ["auto"]
-        return out
+        """The methods this engine can switch between (from the registry)."""
+        return methods.available(self.engine)
 
     def clear(self) -> None:
         self.messages.clear()
@@ -102,11 +100,5 @@ class ChatSession:
         reply = Reply("".join(text), list(gen.tokens), flags, gen.stats, self.method, stopped)
         # a stopped reply is kept: the user sees it, and the next turn builds on it
         self.messages.append({"role": "assistant", "content": reply.text})
-        _add_totals(self.total, gen.stats)
+        self.total.merge(gen.stats)
         return reply
-
-
-def _add_totals(total: Stats, st: Stats) -> None:
-    for name in ("n_prompt", "t_prompt", "n_generated", "n_steps", "n_drafted", "n_accept", "n_draft_steps",
-                 "t_draft", "t_verify", "t_gen"):
-        setattr(total, name, getattr(total, name) + getattr(st, name))

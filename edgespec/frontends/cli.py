@@ -9,8 +9,8 @@ import os
 import signal
 import sys
 
-from . import __version__
-from .errors import EdgespecError
+from .. import __version__, methods
+from ..errors import EdgespecError
 
 EXIT_INTERRUPTED = 130
 
@@ -31,7 +31,7 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smo
 
 def _add_spec_args(p: argparse.ArgumentParser, default_spec: str = "auto") -> None:
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--spec", default=default_spec, choices=["none", "ngram", "lookahead", "draft", "auto", "pearl"],
+    g.add_argument("--spec", default=default_spec, choices=methods.names(),
                    help="drafting method (default: %(default)s: lookahead, then the draft model when -md is given; "
                         "pearl: the draft model drafts in parallel with verification)")
     g.add_argument("--spec-draft-n-max", "--draft-max", dest="draft_n_max", type=int, default=16,
@@ -143,14 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_config(a):
-    from .runner import EngineConfig
+    from ..engine import EngineConfig
 
     return EngineConfig(
         model=a.model, draft=a.draft, n_ctx=a.n_ctx, threads=a.threads, threads_draft=a.threads_draft,
         n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngld, draft_n_max=a.draft_n_max, draft_n_min=a.draft_n_min,
         draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=a.kv_type,
         # chains need one sequence; only trees borrow more (and a multi-sequence cache costs a little)
-        max_branches=1 if getattr(a, "spec", "auto") in ("none", "ngram", "draft", "pearl") else 8,
+        max_branches=8 if methods.get(getattr(a, "spec", "auto")).trees else 1,
         pearl_gamma=getattr(a, "pearl_gamma", 4),
     )
 
@@ -178,7 +178,7 @@ def _read_prompt(a) -> str:
 
 def _sampling(a):
     """The sampling flags, checked as a batch line's body fields are (one validation for both)."""
-    from .sampling import make_sampling
+    from ..sampling import make_sampling
 
     return make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed)
 
@@ -196,14 +196,15 @@ def _validate(a) -> None:
         _sampling(a)
     if a.draft_n_max < 0 or a.draft_n_min < 0 or a.draft_n_min > a.draft_n_max:
         raise EdgespecError("draft lengths need 0 <= --spec-draft-n-min <= --spec-draft-n-max")
-    if getattr(a, "spec", None) in ("draft", "pearl") and not a.draft:
+    if hasattr(a, "spec") and methods.get(a.spec).needs_draft_model and not a.draft:
         raise EdgespecError(f"--spec {a.spec} needs a draft model: pass -md MODEL")
     if getattr(a, "pearl_gamma", 1) < 1:
         raise EdgespecError("--pearl-gamma must be at least 1")
 
 
 def cmd_run(a) -> int:
-    from .runner import Engine, TextStream
+    from ..engine import Engine
+    from ..text import TextStream
 
     _validate(a)
     text = _read_prompt(a)
@@ -217,7 +218,7 @@ def cmd_run(a) -> int:
         prompt = engine.prompt_tokens(messages=msgs)
     sampling = _sampling(a)
     gen = engine.start(prompt, a.n_predict, sampling, a.spec)
-    used = gen.drafter.name if hasattr(gen, "drafter") else a.spec
+    used = gen.drafter_name
     stream = TextStream(engine.target)
     interrupted = False
     try:
@@ -244,7 +245,7 @@ def cmd_run(a) -> int:
 
 
 def cmd_chat(a) -> int:
-    from .runner import Engine
+    from ..engine import Engine
     from .session import ChatSession
 
     _validate(a)
@@ -282,14 +283,14 @@ def _chat_lines(session) -> int:
 
 
 def cmd_pull(a) -> int:
-    from .models import resolve
+    from ..models import resolve
 
     print(resolve(a.name))
     return 0
 
 
 def cmd_models(a) -> int:
-    from .models import list_models, models_dir
+    from ..models import list_models, models_dir
 
     rows = list_models()
     print(f"cache: {models_dir()}  (set EDGESPEC_CACHE to move it)")
@@ -304,8 +305,8 @@ def cmd_models(a) -> int:
 def cmd_quantize(a) -> int:
     from pathlib import Path
 
-    from .llama import quantize
-    from .models import resolve
+    from ..llama import quantize
+    from ..models import resolve
 
     src = resolve(a.src)
     dst = Path(a.dst)
@@ -320,7 +321,6 @@ def cmd_quantize(a) -> int:
 
 
 def cmd_batch(a) -> int:
-    from dataclasses import replace
 
     from .batch import run_batch
 
@@ -329,13 +329,9 @@ def cmd_batch(a) -> int:
         raise EdgespecError("-np must be at least 1")
     if a.parallel > 64:
         raise EdgespecError("-np must be at most 64")
-    from .multi import METHODS
-
-    if a.parallel > 1 and a.spec not in METHODS:
+    if a.parallel > 1 and not methods.get(a.spec).multi_sequence:
         raise EdgespecError(f"--spec {a.spec} decodes one sequence at a time: use -np 1, or --spec lookahead")
     cfg = _engine_config(a)
-    if a.parallel > 1:  # the engine's own context only measures costs; batch contexts hold chains
-        cfg = replace(cfg, max_branches=1)
     if hasattr(signal, "SIGTERM"):  # `kill`: stop like Ctrl+C, keeping every finished result
         signal.signal(signal.SIGTERM, _raise_interrupt)
     return run_batch(a, cfg)

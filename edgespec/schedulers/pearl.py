@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
-from .draft import Draft
-from .errors import ContextFullError, EdgespecError
-from .events import Stats, StepEvent
-from .kv import KVSeq
-from .sampling import SamplingConfig, pick, sample, warp
-from .steps import clip, step_event
-from .verify import verify_greedy, verify_rejection_chain
+from ..draft import Draft
+from ..errors import EdgespecError
+from ..events import StepEvent
+from ..kv import KVSeq
+from ..lifecycle import Lifecycle
+from ..sampling import SamplingConfig, sample, warp
+from ..verify import verify_greedy, verify_rejection_chain
 
 
 class _DraftJob:
@@ -162,53 +162,32 @@ class DraftWorker(threading.Thread):
 
 
 @dataclass
-class PearlGeneration:
-    """Same interface as runner.Generation: iterate for StepEvents; tokens and stats grow."""
-
-    engine: object
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingConfig
+class PearlGeneration(Lifecycle):
     gamma: int = 4
-    tokens: list[int] = field(default_factory=list)
-    stats: Stats = field(default_factory=Stats)
 
-    def run(self) -> "PearlGeneration":
-        for _ in self:
-            pass
-        return self
+    @property
+    def drafter_name(self) -> str:
+        return "pearl"
 
     def __iter__(self) -> Iterator[StepEvent]:
         eng, st, cfg = self.engine, self.stats, self.sampling
         if eng.draft_ctx is None:
             raise EdgespecError("--spec pearl needs a draft model: pass -md MODEL")
-        ctx, kv = eng.ctx, eng.kv
+        kv = eng.kv
         gamma = max(1, min(self.gamma, eng.cost.max_exact_rows - 1))
-        rng = np.random.default_rng(cfg.seed)
-        if not self.prompt:
-            raise EdgespecError("empty prompt")
-        if len(self.prompt) >= ctx.n_ctx:
-            raise ContextFullError(f"prompt of {len(self.prompt)} tokens does not fit in a context of {ctx.n_ctx} tokens (raise -c)")
-        st.n_prompt = len(self.prompt)
-        st.finish_reason = "interrupted"
-        t0 = time.perf_counter()
-        kv.reset()
-        row = kv.extend(self.prompt)
-        first = pick(ctx.logits(row), cfg, rng)
-        st.t_prompt = time.perf_counter() - t0
+        first, rng = self._prologue(kv)
         worker = DraftWorker(eng.draft_kv, cfg, cfg.seed)
         worker.start()
-        t_start = time.perf_counter()
         pending: list[int] = [first]  # committed, not in the target's cache
         carry = None  # the target's verdict for the next position, known but not yet used
         job, used = None, 0  # the running draft job and how many of its tokens were verified
         try:
-            out, done = self._clip([first])
-            yield self._emit(step_event(0, Draft(), [], out, 0.0, 0.0, "pearl"), out)
+            ev, done = self._commit(0, Draft(), [], [first], 0.0, 0.0, "pearl")
+            yield ev
             step = 0
             while not done:
                 step += 1
-                base = self.prompt + self.tokens
+                base = list(self.context)
                 if kv.room() < len(pending) + gamma + 1:
                     st.finish_reason = "context"
                     return
@@ -252,11 +231,10 @@ class PearlGeneration:
                     job, pending = None, [nxt]
                 st.n_pre += mode == "pre"
                 st.n_post += mode == "post"
-                out, done = self._clip(committed)
-                st.t_gen = time.perf_counter() - t_start
-                yield self._emit(step_event(step, draft, accepted, out, t_wait, t_verify, "pearl", mode), out)
+                ev, done = self._commit(step, draft, accepted, committed, t_wait, t_verify, "pearl", mode)
+                yield ev
         finally:
-            st.t_gen = time.perf_counter() - t_start
+            st.t_gen = time.perf_counter() - self.t_start
             worker.stop()
             # No timeout: the worker may be inside a decode of the draft context, and the next
             # generation (or Engine.close) must not touch that context before it returns.
@@ -300,11 +278,3 @@ class PearlGeneration:
         if self.sampling.greedy:
             return verify_greedy(draft, verdict, bonus=False)
         return verify_rejection_chain(draft, verdict, rng, bonus=False)
-
-    def _emit(self, ev: StepEvent, out: list[int]) -> StepEvent:
-        self.tokens.extend(out)
-        self.stats.add(ev)
-        return ev
-
-    def _clip(self, committed: list[int]) -> tuple[list[int], bool]:
-        return clip(self, committed)

@@ -22,22 +22,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-import numpy as np
 
-from .costmodel import CostModel
-from .draft import Draft
-from .drafters.base import Budget, NullDrafter
-from .errors import ContextFullError, EdgespecError
-from .events import Stats, StepEvent
-from .kv import KVSeq, decode_chains
-from .llama import Context, ContextConfig
-from .sampling import SamplingConfig, pick
-from .steps import clip, step_event
-from .verify import verify_step
+from .. import methods
+from ..costmodel import CostModel
+from ..draft import Draft
+from ..drafters.base import Budget, NullDrafter
+from ..errors import EdgespecError
+from ..events import StepEvent
+from ..kv import KVSeq, decode_chains
+from ..lifecycle import Lifecycle
+from ..sampling import SamplingConfig
+from ..verify import verify_step
 
 log = logging.getLogger(__name__)
 
-METHODS = ("none", "ngram", "lookahead", "auto")
 PROBE_EVERY = 16  # steps without drafts before one token is drafted anyway (estimates recover)
 
 
@@ -64,26 +62,21 @@ class _Collect(Budget):
 
 
 @dataclass
-class SeqGeneration:
-    """One request in a slot. `tokens` and `stats` grow as it goes (as `runner.Generation`)."""
+class SeqGeneration(Lifecycle):
+    """One request in a slot (a `Lifecycle`: `tokens` and `stats` grow as it goes)."""
 
-    job: Job
-    engine: Any
-    kv: KVSeq
-    drafter: Any
-    tokens: list[int] = field(default_factory=list)
-    stats: Stats = field(default_factory=Stats)
+    job: Job | None = None
+    kv: KVSeq | None = None
+    drafter: Any = None
     stopped: bool = False
     done: bool = False
     rng: Any = None
     pending: list[int] = field(default_factory=list)  # committed, not yet in the cache
-    context: list[int] = field(default_factory=list)  # prompt + tokens
-    t_start: float = 0.0
     step_no: int = 0
 
     @property
-    def max_tokens(self) -> int:
-        return self.job.max_tokens
+    def drafter_name(self) -> str:
+        return self.drafter.name
 
     def stop(self) -> None:
         """End this generation after the current step (a stop string was seen)."""
@@ -92,49 +85,38 @@ class SeqGeneration:
 
 class MultiDecoder:
     def __init__(self, engine, n_parallel: int, method: str, quiet: bool = False):
-        from .drafters.lookahead import SharedLookahead
+        from ..drafters.lookahead import SharedLookahead
 
-        if method not in METHODS:
-            raise EdgespecError(
-                f"--spec {method} decodes one sequence at a time; with -np > 1 choose one of {', '.join(METHODS)}"
-            )
+        m = methods.get(method)
+        if not m.multi_sequence:
+            raise EdgespecError(f"--spec {method} decodes one sequence at a time; with -np > 1 choose one of "
+                                f"{', '.join(methods.multi_sequence())}")
         if method == "auto" and engine.draft_model is not None and not quiet:
             log.warning("with -np above 1, --spec auto drafts with lookahead only (the draft model is unused)")
         self.engine = engine
-        self.method = "lookahead" if method == "auto" else method
+        self.method = method
         self.cost: CostModel = engine.cost
         exact = self.cost.max_exact_rows
         if n_parallel > exact:
             if not quiet:
                 log.warning(f"{engine.target.path.name}: batches of more than {exact} rows are not bit-exact "
-                      f"with this build, so at most {exact} sequences decode together (a q4_0 variant allows more)")
+                            f"with this build, so at most {exact} sequences decode together (a q4_0 variant allows more)")
             n_parallel = exact
         self.n_parallel = max(1, n_parallel)
-        cfg = engine.cfg
-        per_seq = engine.ctx.n_ctx
-        self.ctx = Context(
-            engine.target,
-            ContextConfig(per_seq * self.n_parallel, max(cfg.n_batch, 32), cfg.threads, self.n_parallel, cfg.kv_type,
-                          unified=False),
-        )
+        self.ctx = engine.use_streams(self.n_parallel)
         self.kvs = [KVSeq(self.ctx, i) for i in range(self.n_parallel)]
         self.max_draft = 16
-        self.shared = SharedLookahead(cfg.lookahead_cache) if self.method == "lookahead" else None
+        self.shared = SharedLookahead(engine.cfg.lookahead_cache) if m.trees else None
         self._zero_steps = 0
 
     def close(self) -> None:
         if self.shared is not None:
             self.shared.close()
-        self.ctx.close()
+        self.engine.use_streams(None)
 
-    def _drafter(self):
-        from .drafters.ngram import NgramDrafter
-
-        if self.method == "none":
-            return NullDrafter()
-        if self.method == "ngram":
-            return NgramDrafter()
-        return self.shared.drafter(max_branches=1)
+    def _drafter(self, seed: int | None):
+        opt = methods.Options(seed=seed, shared=self.shared, max_branches=1, single_sequence=False)
+        return methods.build_drafter(self.engine, self.method, opt)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -190,27 +172,12 @@ class MultiDecoder:
                     self._finish(g)
 
     def _admit(self, job: Job, slot: int) -> tuple[SeqGeneration, StepEvent]:
-        kv = self.kvs[slot]
-        if not job.prompt:
-            raise EdgespecError("empty prompt")
-        if len(job.prompt) >= kv.capacity:
-            raise ContextFullError(
-                f"prompt of {len(job.prompt)} tokens does not fit in a context of {kv.capacity} tokens (raise -c)"
-            )
-        g = SeqGeneration(job, self.engine, kv, self._drafter())
-        g.rng = np.random.default_rng(job.sampling.seed)
-        st = g.stats
-        st.n_prompt = len(job.prompt)
-        st.finish_reason = "interrupted"
-        t0 = time.perf_counter()
-        kv.reset()
-        row = kv.extend(job.prompt)
-        first = pick(self.ctx.logits(row), job.sampling, g.rng)
-        st.t_prompt = time.perf_counter() - t0
-        g.t_start = time.perf_counter()
+        g = SeqGeneration(self.engine, job.prompt, job.max_tokens, job.sampling, job=job, kv=self.kvs[slot],
+                          drafter=self._drafter(job.sampling.seed))
+        first, g.rng = g._prologue(g.kv)
         g.drafter.begin(job.prompt)
+        g.t_start = time.perf_counter()
         g.pending = [first]
-        g.context = list(job.prompt)
         ev = self._emit(g, [first], Draft(), [], 0.0, 0.0, 0)
         return g, ev
 
@@ -222,13 +189,7 @@ class MultiDecoder:
     def _emit(self, g: SeqGeneration, committed: list[int], draft: Draft, accepted: list[int],
               t_draft: float, t_verify: float, step: int) -> StepEvent:
         """`draft`: the drafter's own tokens (no padding); `accepted`: those of its nodes kept."""
-        out, done = clip(g, committed)
-        g.tokens.extend(out)
-        g.context.extend(out)
-        ev = step_event(step, draft, accepted, out, t_draft, t_verify, g.drafter.name)
-        g.stats.add(ev)
-        g.stats.t_gen = time.perf_counter() - g.t_start
-        g.done = done
+        ev, g.done = g._commit(step, draft, accepted, committed, t_draft, t_verify, g.drafter.name)
         return ev
 
     def _step(self, active: list[SeqGeneration]) -> list[tuple[SeqGeneration, StepEvent]]:

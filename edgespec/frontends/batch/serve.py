@@ -1,0 +1,173 @@
+"""Serving requests through the engine: one at a time (every method, a shared lookahead trie) or
+several sequences per decode (`-np N`), each result handed on the moment it is complete."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from ... import methods
+from ...errors import EdgespecError
+from ...events import Stats
+from ...text import TextStream
+from .output import error_record, failure, ok_record
+from .requests import CHAT_URL, Request, RequestError
+
+@dataclass
+class Totals:
+    """What a run served: requests ok and failed, the merged stats of the finished ones, wall
+    time, and each finished request's tokens (for --compare)."""
+
+    ok: int = 0
+    failed: int = 0
+    stats: Stats = field(default_factory=Stats)
+    wall: float = 0.0
+    outputs: dict = field(default_factory=dict)  # custom_id -> generated token ids
+
+    def add(self, st: Stats) -> None:
+        self.ok += 1
+        self.stats.merge(st)
+
+    tokens_in = property(lambda self: self.stats.n_prompt)
+    tokens_out = property(lambda self: self.stats.n_generated)
+    drafted = property(lambda self: self.stats.n_drafted)
+    accepted = property(lambda self: self.stats.n_accept)
+    steps = property(lambda self: self.stats.n_steps)
+    t_prompt = property(lambda self: self.stats.t_prompt)  # prompts are read one at a time: a sum
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens_out / self.wall if self.wall > 0 else 0.0
+
+    @property
+    def decode_throughput(self) -> float:
+        """Generated tokens per second of wall time outside prompt processing."""
+        t = self.wall - self.t_prompt
+        return self.tokens_out / t if t > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        st = self.stats
+        return {
+            "requests": self.ok + self.failed, "ok": self.ok, "failed": self.failed, "tokens_in": self.tokens_in,
+            "tokens_out": self.tokens_out, "wall_s": round(self.wall, 3), "tokens_per_s": round(self.throughput, 2),
+            "prompt_s": round(self.t_prompt, 3), "decode_tokens_per_s": round(self.decode_throughput, 2),
+            "drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": round(st.acceptance_rate, 4),
+            "mean_accepted_length": round(st.mean_accepted_length, 4),
+        }
+
+
+def _finish_reason(st: Stats, text: TextStream) -> str:
+    return "stop" if text.hit or st.finish_reason == "stop" else "length"
+
+
+def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit, on_step=None,
+                 quiet: bool = False, totals: Totals | None = None) -> Totals:
+    """Serve `reqs`; `emit(req, record)` receives every result as soon as it is complete.
+    `totals` (filled as results come) keeps the count when the run is interrupted."""
+    totals = totals if totals is not None else Totals()
+    model_name = engine.cfg.model
+    t0 = time.perf_counter()
+
+    def fail(req: Request, err: RequestError) -> None:
+        totals.failed += 1
+        emit(req, error_record(req, err))
+
+    def tokens_of(req: Request) -> list[int] | None:
+        """The request's prompt tokens, or None after writing its error line."""
+        if req.error:
+            fail(req, req.error)
+            return None
+        try:
+            if req.url == CHAT_URL:
+                return engine.prompt_tokens(messages=req.messages)
+            return engine.prompt_tokens(req.prompt, raw=True)
+        except EdgespecError as e:
+            fail(req, RequestError(str(e)))
+        except UnicodeEncodeError:
+            fail(req, RequestError("the prompt is not valid Unicode text (a lone surrogate such as \\ud800)"))
+        except Exception as e:  # one request never ends the batch
+            fail(req, failure(e))
+        return None
+
+    def finished(req: Request, gen, text: TextStream) -> None:
+        totals.add(gen.stats)
+        totals.outputs[req.custom_id] = list(gen.tokens)
+        emit(req, ok_record(req, text.final(), _finish_reason(gen.stats, text), gen.stats, model_name, method,
+                            gen.drafter_name))
+
+    try:
+        if n_parallel <= 1:
+            _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step)
+            return totals
+        from ...schedulers.multi import Job, MultiDecoder
+
+        dec = MultiDecoder(engine, n_parallel, method, quiet=quiet)
+        texts: dict[int, TextStream] = {}
+
+        def jobs() -> Iterator[Job]:
+            for req in reqs:
+                prompt = tokens_of(req)
+                if prompt is not None:
+                    yield Job(prompt, req.max_tokens, req.sampling, tag=req)
+
+        events = dec.run(jobs())
+        try:
+            for kind, g, x in events:
+                if kind == "step":
+                    text = texts.get(id(g))
+                    if text is None:
+                        text = texts[id(g)] = TextStream(engine.target, g.job.tag.stop)
+                    if on_step:
+                        on_step(x)
+                    text.feed(x.tokens)
+                    if text.hit:
+                        g.stop()
+                elif kind == "done":
+                    finished(g.job.tag, g, texts.pop(id(g)))
+                else:
+                    fail(g.tag, failure(x))
+        finally:
+            events.close()  # frees the slots (their KV cells) before the context goes
+            dec.close()
+        return totals
+    finally:
+        totals.wall = time.perf_counter() - t0
+
+
+def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step) -> None:
+    """`-np 1`: every method, each request a generation of its own; lookahead requests (and
+    auto's) share one trie, so similar requests draft from each other."""
+    from ...drafters.lookahead import SharedLookahead
+
+    m = methods.get(method)
+    shared = SharedLookahead(engine.cfg.lookahead_cache) if m.trees else None
+    try:
+        for req in reqs:
+            prompt = tokens_of(req)
+            if prompt is None:
+                continue
+            try:
+                drafter = None
+                if shared is not None:
+                    opt = methods.Options(seed=req.sampling.seed, shared=shared, max_branches=engine.cfg.max_branches)
+                    drafter = methods.build_drafter(engine, method, opt)
+                gen = engine.start(prompt, req.max_tokens, req.sampling, method, drafter=drafter)
+                text = TextStream(engine.target, req.stop)
+                steps = iter(gen)
+                try:
+                    for ev in steps:
+                        if on_step:
+                            on_step(ev)
+                        text.feed(ev.tokens)
+                        if text.hit:
+                            break
+                finally:
+                    steps.close()
+            except Exception as e:  # one request never ends the batch: it gets its error line
+                fail(req, failure(e))
+                continue
+            finished(req, gen, text)
+    finally:
+        if shared is not None:
+            shared.close()

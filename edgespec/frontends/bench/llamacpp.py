@@ -1,0 +1,78 @@
+"""llama.cpp's own tools (`llama-completion`, `llama-lookup`) on the same prompts, for the table."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ...errors import EdgespecError
+
+
+_EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
+_DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+
+
+def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0) -> list[dict]:
+    """llama.cpp's own llama-completion (plain) and llama-lookup on the same formatted prompts."""
+    bind = Path(bin_dir)
+    rows = []
+    for item, toks, n in prompts:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(eng.target.detokenize(toks, special=True))
+            pf = f.name
+        try:
+            for name, exe, extra in (("llama.cpp:completion", "llama-completion", ["-no-cnv"]),
+                                     ("llama.cpp:lookup", "llama-lookup", [])):
+                path = bind / exe
+                if not path.exists():
+                    raise EdgespecError(f"{path} not found (build it with shared/tools/build-llama-cpp-tools.sh)")
+                cmd = [str(path), "-m", str(eng.target.path), "-f", pf, "-n", str(n), "--temp", "0",
+                       "-t", str(eng.ctx.n_threads), "-c", str(eng.ctx.n_ctx), "-ctk", cfg.kv_type, "-ctv", cfg.kv_type,
+                       *extra]
+                t0 = time.perf_counter()
+                r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+                tps = parse_eval_tps(r.stderr + r.stdout)
+                if tps is None:
+                    tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+                    print(f"edgespec: {exe} gave no timing on {item['id']}: {tail}", file=sys.stderr)
+                    continue
+                rows.append({"id": item["id"], "category": item["category"], "method": name, "repeat": repeat,
+                             "tokens_per_s": tps, "n_generated": parse_eval_count(r.stderr + r.stdout),
+                             "wall_s": time.perf_counter() - t0, "match": None})
+        finally:
+            os.unlink(pf)
+    return rows
+
+
+def parse_eval_count(text: str) -> int | None:
+    """Tokens decoded one by one, as llama.cpp counts them (its `N runs` / `decoded N tokens`)."""
+    m = _DECODED.search(text)
+    if m:
+        return int(m.group(1))
+    for line in text.splitlines():
+        m = _EVAL.search(line)
+        if m and "prompt eval time" not in line:
+            return int(m.group(2))
+    return None
+
+
+def parse_eval_tps(text: str) -> float | None:
+    """Decode tokens/s as llama.cpp prints it: llama-lookup's `decoded N tokens in X seconds`,
+    else the `eval time = X ms / N runs` line (prompt eval excluded)."""
+    m = _DECODED.search(text)
+    if m:
+        n, sec = int(m.group(1)), float(m.group(2))
+        return n / sec if sec > 0 else None
+    for line in text.splitlines():
+        if "prompt eval time" in line:
+            continue
+        m = _EVAL.search(line)
+        if m:
+            ms, runs = float(m.group(1)), int(m.group(2))
+            return runs / (ms / 1e3) if ms > 0 else None
+    return None

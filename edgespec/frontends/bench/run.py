@@ -1,0 +1,200 @@
+"""`edgespec bench`: methods measured side by side, interleaved prompt by prompt, in one run.
+
+Speedups are ratios against `none` from the same prompt and repeat, so a noisy shared machine
+slows both sides alike. Every greedy output is compared with `none`'s token for token. The
+ceiling is what an oracle drafter (always right) could reach on this machine's cost curve.
+`stats`: the summary; `report`: Markdown and charts; `llamacpp`: llama.cpp's own tools.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ... import methods as registry
+from ...errors import EdgespecError
+from ...sampling import SamplingConfig
+from ..console import stderr_console
+from .llamacpp import run_llama_cpp
+from .report import render_markdown, write_charts
+from .stats import geomean, summarize, _r
+from .suites import load_suite
+
+GREEDY = SamplingConfig(temp=0.0)
+
+
+def run_method(eng, tokens: list[int], n: int, method: str):
+    """One greedy generation (a seam for tests that need a deliberately broken method)."""
+    return eng.start(tokens, n, GREEDY, method).run()
+
+
+def run_bench(a, engine_cfg) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ...engine import Engine
+
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    methods = ["none"] + [m for m in methods if m != "none"]
+    for m in methods:
+        method = registry.get(m)  # an unknown name: one clear line
+        if method.needs_draft_model and not engine_cfg.draft:
+            raise EdgespecError(f"method {m} needs a draft model: pass -md MODEL")
+    suite = load_suite(a.suite, a.categories, a.limit)
+    if getattr(a, "parallel", None):
+        return run_batch_bench(a, engine_cfg, methods, suite)
+    eng = Engine(engine_cfg, quiet=False)
+    prompts = []
+    for item in suite:
+        if "messages" in item:
+            toks = eng.prompt_tokens(messages=item["messages"])
+        else:
+            toks = eng.prompt_tokens(item["prompt"], raw=True)
+        prompts.append((item, toks, min(a.n_predict, int(item.get("max_tokens", a.n_predict)))))
+    # warm-up: page the weights in and settle the clocks before anything is measured
+    run_method(eng, prompts[0][1], 16, "none")
+
+    records: list[dict] = []
+    mismatches: list[tuple[str, str]] = []
+    total = len(prompts) * len(methods) * a.repeat
+    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  TextColumn("{task.fields[info]}"), transient=True, console=stderr_console()) as prog:
+        task = prog.add_task("bench", total=total, info="")
+        for item, toks, n in prompts:
+            for rep in range(a.repeat):
+                ref = None
+                for m in methods:  # interleaved: A B C A B C ...
+                    g = run_method(eng, toks, n, m)
+                    if m == "none":
+                        ref = g.tokens
+                    match = g.tokens == ref
+                    if not match:
+                        mismatches.append((item["id"], m))
+                        prog.console.print(f"[bold red]MISMATCH[/]: {m} output differs from none on {item['id']}")
+                    records.append({"id": item["id"], "category": item["category"], "method": m, "repeat": rep,
+                                    "match": match, **g.stats.to_dict()})
+                    prog.update(task, advance=1, info=f"{item['id']} {m} {g.stats.tokens_per_s:.0f} tok/s")
+                if getattr(a, "llama_cpp_bin", None):  # interleaved too, right after ours
+                    records.extend(run_llama_cpp(a.llama_cpp_bin, eng, [(item, toks, n)], engine_cfg, rep))
+
+    order = methods + sorted({r["method"] for r in records} - set(methods), reverse=True)
+    n_past = int(sum(len(t) for _, t, _ in prompts) / len(prompts))
+    report = summarize(records, order, eng.cost, n_past)
+    report["config"] = {
+        "model": engine_cfg.model, "draft": engine_cfg.draft, "threads": eng.ctx.n_threads, "kv_type": engine_cfg.kv_type,
+        "n_predict": a.n_predict, "repeat": a.repeat, "suite": a.suite or "built-in", "prompts": len(prompts),
+        "methods": methods,
+    }
+    report["mismatches"] = mismatches
+    print(render_markdown(report))
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps({**report, "records": records}, indent=1))
+        chart = write_charts(report, records, out / "report.png")
+        print(f"\nreport: {out / 'report.json'}" + (f", {chart}" if chart else " (charts need matplotlib: pip install 'edgespec[bench]')"),
+              file=sys.stderr)
+    if mismatches:
+        print(f"edgespec: error: {len(mismatches)} outputs differ from plain greedy decoding: "
+              + ", ".join(f"{m} on {i}" for i, m in mismatches[:5]), file=sys.stderr)
+        return 3
+    return 0
+
+
+def parse_parallel(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 1 or v > 64 for v in vals):
+        raise EdgespecError(f"--parallel takes sequence counts from 1 to 64, comma-separated (got {text!r})")
+    return sorted(set(vals))
+
+
+def run_batch_bench(a, engine_cfg, methods: list[str], suite: list[dict]) -> int:
+    """Batch throughput: the whole suite as one batch per (sequences per decode, method), rounds
+    rotated so that drift on a shared machine hits every cell alike. Greedy outputs are compared
+    with `none` at one sequence."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ...engine import Engine
+    from ..batch import Request, run_requests
+
+    nps = parse_parallel(a.parallel)
+    if max(nps) > 1:
+        bad = [m for m in methods if not registry.get(m).multi_sequence]
+        if bad:
+            raise EdgespecError(f"method {bad[0]} decodes one sequence at a time; --parallel above 1 takes "
+                                f"{', '.join(registry.multi_sequence())}")
+    eng = Engine(engine_cfg, quiet=False)
+    reqs = []
+    for i, item in enumerate(suite):
+        n = min(a.n_predict, int(item.get("max_tokens", a.n_predict)))
+        if "messages" in item:
+            reqs.append(Request(i + 1, item["id"], messages=item["messages"], max_tokens=n, sampling=GREEDY))
+        else:
+            reqs.append(Request(i + 1, item["id"], url="/v1/completions", prompt=item["prompt"], max_tokens=n,
+                                sampling=GREEDY))
+    run_requests(eng, reqs[:1], "none", 1, lambda r, rec: None, quiet=True)  # warm-up
+    cells = [(p, m) for p in nps for m in methods]
+    results: dict = {c: [] for c in cells}
+    ref: dict = {}
+    mismatches = []
+    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  TextColumn("{task.fields[info]}"), transient=True, console=stderr_console()) as prog:
+        task = prog.add_task("bench", total=len(cells) * a.repeat, info="")
+        for rep in range(a.repeat):
+            k = rep % len(cells)
+            for p, m in cells[k:] + cells[:k]:
+                tot = run_requests(eng, reqs, m, p, lambda r, rec: None, quiet=True)
+                results[(p, m)].append(tot)
+                if (p, m) == (nps[0], "none") and not ref:
+                    ref = dict(tot.outputs)
+                prog.update(task, advance=1, info=f"-np {p} {m}: {tot.throughput:.1f} tok/s")
+        for (p, m), tots in results.items():
+            for tot in tots:
+                for cid, toks in tot.outputs.items():
+                    if ref and ref.get(cid) != toks:
+                        mismatches.append((cid, f"{m} -np {p}"))
+    base = results[(nps[0], "none")]
+    rows = []
+    for p, m in cells:
+        tots = results[(p, m)]
+        sp = [t.throughput / b.throughput for t, b in zip(tots, base) if b.throughput > 0]
+        drafted, accepted = sum(t.drafted for t in tots), sum(t.accepted for t in tots)
+        steps, out = sum(t.steps for t in tots), sum(t.tokens_out for t in tots)
+        dsp = [t.decode_throughput / b.decode_throughput for t, b in zip(tots, base) if b.decode_throughput > 0]
+        rows.append({"parallel": p, "method": m, "tokens_per_s": round(geomean([t.throughput for t in tots]), 1),
+                     "speedup": _r(geomean(sp)),
+                     "decode_tokens_per_s": round(geomean([t.decode_throughput for t in tots]), 1),
+                     "decode_speedup": _r(geomean(dsp)), "prompt_s": round(sum(t.t_prompt for t in tots) / len(tots), 2), "wall_s": round(sum(t.wall for t in tots) / len(tots), 2),
+                     "acceptance_rate": _r(accepted / drafted if drafted else None),
+                     "mean_accepted_length": _r(out / steps if steps else None),
+                     "failed": sum(t.failed for t in tots)})
+    print(f"Batch throughput: {len(reqs)} requests per batch, {results[cells[0]][0].tokens_in} prompt tokens, {results[cells[0]][0].tokens_out} generated per batch; "
+          f"speedup against -np {nps[0]} none, same round.\n")
+    print("| -np | method | tokens/s out | speedup | generating: tokens/s | speedup | wall s | of which prompts | "
+          "acceptance | mean acc. len | failed |")
+    print("|" + "---|" * 11)
+    for r in rows:
+        acc = "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.0f}%"
+        mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+        print(f"| {r['parallel']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['decode_tokens_per_s']:.1f} | {r['decode_speedup']:.2f}x | {r['wall_s']:.1f} | {r['prompt_s']:.1f} | "
+              f"{acc} | {mal} | {r['failed']} |")
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        report = {"batch": rows, "config": {"model": engine_cfg.model, "threads": eng.ctx.n_threads,
+                                            "kv_type": engine_cfg.kv_type, "n_predict": a.n_predict,
+                                            "repeat": a.repeat, "suite": a.suite or "built-in",
+                                            "requests": len(reqs), "parallel": nps, "methods": methods},
+                  "mismatches": mismatches}
+        (out / "report.json").write_text(json.dumps(report, indent=1))
+        print(f"\nreport: {out / 'report.json'}", file=sys.stderr)
+    eng.close()
+    if mismatches:
+        print(f"edgespec: error: {len(mismatches)} outputs differ from plain greedy decoding: "
+              + ", ".join(f"{m} on {i}" for i, m in mismatches[:5]), file=sys.stderr)
+        return 3
+    return 0

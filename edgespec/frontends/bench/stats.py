@@ -1,0 +1,85 @@
+"""The bench summary: per method and category, geometric-mean speedups against `none` from the
+same prompt and repeat, the oracle ceiling, and the speculation counters merged as `Stats`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+
+from ...events import Stats
+
+
+
+def geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
+
+
+def ceiling(cost, n_past: int, max_rows: int = 32) -> tuple[float, int]:
+    """Best speedup of an oracle drafter (every draft token accepted) and its draft length."""
+    best, best_k = 1.0, 0
+    plain = cost.t(1, n_past)
+    for k in range(1, min(max_rows, cost.max_exact_rows)):
+        s = (k + 1) * plain / cost.t(k + 1, n_past)
+        if s > best:
+            best, best_k = s, k
+    return best, best_k
+
+
+def summarize(records: list[dict], methods: list[str], cost, n_past: int) -> dict:
+    base = {(r["id"], r["repeat"]): r for r in records if r["method"] == "none"}
+    llama_base = {(r["id"], r["repeat"]): r for r in records if r["method"] == "llama.cpp:completion"}
+    cats = sorted({r["category"] for r in records})
+    top, top_k = ceiling(cost, n_past)
+    rows = []
+    for m in methods:
+        mine = [r for r in records if r["method"] == m]
+        for cat in cats + ["all"]:
+            sel = [r for r in mine if cat == "all" or r["category"] == cat]
+            if not sel:
+                continue
+            sp = [_tps(r) / _tps(base[(r["id"], r["repeat"])]) for r in sel
+                  if _tps(r) > 0 and _tps(base.get((r["id"], r["repeat"]), {})) > 0]
+            st = merged(sel)
+            tgen = st.t_gen
+            speed = geomean(sp) if sp else None
+            # llama.cpp's tools against llama.cpp's own plain decoding: the drafting alone,
+            # without the difference between the two runtimes' plain speeds
+            own = llama_base if m.startswith("llama.cpp:") else base
+            osp = [_tps(r) / _tps(own[(r["id"], r["repeat"])]) for r in sel
+                   if _tps(r) > 0 and _tps(own.get((r["id"], r["repeat"]), {})) > 0]
+            rows.append({
+                "method": m, "category": cat, "prompts": len(sel),
+                "tokens_per_s": round(geomean([_tps(r) for r in sel]), 1),
+                "speedup": _r(speed), "speedup_min": _r(min(sp) if sp else None), "speedup_max": _r(max(sp) if sp else None),
+                "speedup_own_plain": _r(geomean(osp) if osp else None),
+                "efficiency": _r(speed / top if speed and top > 0 else None),
+                "acceptance_rate": _r(st.acceptance_rate if st.n_drafted else None),
+                "mean_accepted_length": _r(st.mean_accepted_length if st.n_steps else None),
+                "acceptance_by_position": [round(x, 3) for x in st.acceptance_by_position],
+                "accepted_len_hist": st.accepted_len_hist,
+                "draft_share": _r(sum(r.get("t_draft", 0.0) for r in sel) / tgen if tgen and "t_draft" in sel[0] else None),
+                "verify_share": _r(sum(r.get("t_verify", 0.0) for r in sel) / tgen if tgen and "t_verify" in sel[0] else None),
+                # llama.cpp's outputs are not compared (None): its text is printed, not its tokens
+                "all_match": None if all(r.get("match") is None for r in sel) else all(r.get("match", True) for r in sel),
+            })
+    return {"summary": rows, "cost_ms": cost.to_dict(),
+            "ceiling": {"speedup": round(top, 3), "draft_len": top_k, "n_past": n_past}}
+
+
+def _tps(record: dict) -> float:
+    """A run's tokens/s; 0 when it has none (a llama.cpp run whose output could not be parsed)."""
+    return record.get("tokens_per_s") or 0.0
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def merged(records: list[dict]) -> Stats:
+    """The runs' counters added up (llama.cpp's runs have none: they add zeros)."""
+    names = {f.name for f in fields(Stats)}
+    total = Stats()
+    for r in records:
+        total.merge(Stats(**{k: v for k, v in r.items() if k in names}))
+    return total

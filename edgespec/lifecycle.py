@@ -1,0 +1,122 @@
+"""The life of one generation, the same for every scheduler.
+
+Start with a prompt (checked, read into a KV cache, first token picked); then steps, each a
+verified set of tokens committed through `_commit` (cut at end-of-generation or the token
+limit, described as a StepEvent, added to the stats); iterate for the events; stop by closing
+the iterator. The schedulers (`schedulers/`: one sequence step by step, PEARL's two threads, many
+sequences per decode) differ only in how they schedule drafting and verification.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from .draft import Draft
+from .errors import ContextFullError, EdgespecError
+from .events import Stats, StepEvent
+from .kv import KVSeq
+from .sampling import SamplingConfig, pick
+
+
+@dataclass
+class Lifecycle:
+    """One generation. Iterate it for StepEvents; `tokens` and `stats` grow as it goes, so a
+    generation stopped midway keeps everything it produced."""
+
+    engine: Any
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    tokens: list[int] = field(default_factory=list)
+    stats: Stats = field(default_factory=Stats)
+    context: list[int] = field(default_factory=list)  # prompt + tokens, grown in place
+    t_start: float = 0.0
+
+    def __iter__(self) -> Iterator[StepEvent]:  # pragma: no cover - each scheduler has its own
+        raise NotImplementedError
+
+    @property
+    def drafter_name(self) -> str:
+        """What drafted (the drafter's name; for PEARL, "pearl")."""
+        return ""
+
+    def run(self) -> "Lifecycle":
+        for _ in self:
+            pass
+        return self
+
+    def _prologue(self, kv: KVSeq) -> tuple[int, np.random.Generator]:
+        """Check the prompt, read it into `kv`'s cache and pick the first token. Returns it and
+        the generation's random stream (fresh entropy unless the sampling has a seed)."""
+        st = self.stats
+        if not self.prompt:
+            raise EdgespecError("empty prompt")
+        if len(self.prompt) >= kv.capacity:
+            raise ContextFullError(
+                f"prompt of {len(self.prompt)} tokens does not fit in a context of {kv.capacity} tokens (raise -c)"
+            )
+        st.n_prompt = len(self.prompt)
+        st.finish_reason = "interrupted"
+        rng = np.random.default_rng(self.sampling.seed)
+        t0 = time.perf_counter()
+        kv.reset()
+        row = kv.extend(self.prompt)
+        first = pick(kv.ctx.logits(row), self.sampling, rng)
+        st.t_prompt = time.perf_counter() - t0
+        self.context = list(self.prompt)
+        self.t_start = time.perf_counter()
+        return first, rng
+
+    def _commit(self, step: int, draft: Draft, accepted: list[int], committed: list[int], t_draft: float,
+                t_verify: float, drafter: str, mode: str = "") -> tuple[StepEvent, bool]:
+        """Take a verified step's tokens: cut, record, describe. True when the generation is over."""
+        out, done = clip(self, committed)
+        self.tokens.extend(out)
+        self.context.extend(out)
+        ev = step_event(step, draft, accepted, out, t_draft, t_verify, drafter, mode)
+        self.stats.add(ev)
+        self.stats.t_gen = time.perf_counter() - self.t_start
+        return ev, done
+
+
+def clip(gen: Lifecycle, committed: list[int]) -> tuple[list[int], bool]:
+    """Cut a step's tokens at end-of-generation or the token limit; True when the generation is over."""
+    out: list[int] = []
+    is_eog = gen.engine.target.is_eog
+    for t in committed:
+        if is_eog(t):
+            gen.stats.finish_reason = "stop"
+            return out, True
+        out.append(t)
+        if len(gen.tokens) + len(out) >= gen.max_tokens:
+            gen.stats.finish_reason = "length"
+            return out, True
+    return out, False
+
+
+def step_event(step: int, draft: Draft, accepted: list[int], out: list[int], t_draft: float, t_verify: float,
+               drafter: str, mode: str = "") -> StepEvent:
+    """The event of one verification step: `accepted` are draft nodes, `out` the tokens the
+    step committed after `clip` (a step cut at end-of-generation keeps fewer)."""
+    acc_depths = tuple(range(1, len(accepted) + 1)) if draft.is_chain else tuple(draft.depths()[a] for a in accepted)
+    n_acc = min(len(accepted), len(out))
+    return StepEvent(
+        step=step, n_drafted=len(draft), n_accept=n_acc, n_branches=len(draft.leaves()) if draft.tokens else 0,
+        tokens=tuple(out), from_draft=tuple(i < n_acc for i in range(len(out))),
+        t_draft=t_draft, t_verify=t_verify, drafter=drafter,
+        accepted_depth=acc_depths[:n_acc], drafted_depth=_depth_counts(draft), mode=mode,
+    )
+
+
+def _depth_counts(draft: Draft) -> tuple[int, ...]:
+    if not draft.tokens:
+        return ()
+    ds = draft.depths()
+    counts = [0] * max(ds)
+    for d in ds:
+        counts[d - 1] += 1
+    return tuple(counts)

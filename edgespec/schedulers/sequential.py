@@ -1,0 +1,77 @@
+"""The speculative loop for one sequence, step by step (every method but PEARL runs through it).
+
+One step: the drafter proposes a tree -> the target scores pending tokens plus the tree in ONE
+llama_decode -> the verifier keeps the longest acceptable path plus one token of the target's
+own -> the KV cache keeps exactly the committed tokens -> a StepEvent goes out. Plain decoding
+(`--spec none`) is the same loop with empty drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from ..draft import Draft
+from ..drafters.base import Budget, Drafter, NullDrafter
+from ..events import StepEvent
+from ..lifecycle import Lifecycle
+from ..verify import verify_step
+
+
+@dataclass
+class Generation(Lifecycle):
+    drafter: Drafter = field(default_factory=NullDrafter)
+
+    @property
+    def drafter_name(self) -> str:
+        return self.drafter.name
+
+    def __iter__(self) -> Iterator[StepEvent]:
+        eng, st, cfg = self.engine, self.stats, self.sampling
+        ctx, kv = eng.ctx, eng.kv
+        first, rng = self._prologue(kv)
+        self.drafter.begin(self.prompt)
+        self.t_start = time.perf_counter()
+        pending = [first]  # committed, not yet in the cache
+        step_no = 0
+        try:
+            committed = [first]
+            draft, accepted = Draft(), []
+            t_draft = t_verify = 0.0
+            while True:
+                ev, done = self._commit(step_no, draft, accepted, committed, t_draft, t_verify,
+                                        draft.source or self.drafter.name)
+                yield ev
+                if done:
+                    return
+                step_no += 1
+                room = ctx.n_ctx - kv.n - len(pending)
+                if room < 0:
+                    st.finish_reason = "context"
+                    return
+                budget = Budget(
+                    max_nodes=min(room, ctx.n_batch, eng.cost.max_exact_rows) - len(pending),
+                    max_branches=ctx.cfg.n_seq_max,
+                    fixed_rows=len(pending),
+                    cost=eng.cost,
+                    sampling=cfg,
+                    n_past=kv.n,
+                )
+                t1 = time.perf_counter()
+                draft = self.drafter.propose(self.context, budget) if budget.max_nodes > 0 else Draft()
+                t2 = time.perf_counter()
+                n_before = kv.n
+                layout = kv.decode_tree(pending, draft)
+                eng.cost.observe(len(pending) + len(draft), n_before, time.perf_counter() - t2)
+                accepted, nxt = verify_step(draft, lambda n: ctx.logits(layout.row(n)), cfg, rng)
+                # accepted nodes off the first branch are re-laid by the next decode (see commit_tree)
+                relay = kv.commit_tree(layout, pending, draft, accepted)
+                pending = relay + [nxt]
+                committed = [draft.tokens[a] for a in accepted] + [nxt]
+                t3 = time.perf_counter()
+                t_draft, t_verify = t2 - t1, t3 - t2
+                self.drafter.accept(draft, accepted, committed)
+        finally:
+            st.t_gen = time.perf_counter() - self.t_start
+            self.drafter.end()
