@@ -50,8 +50,7 @@ class Engine:
 
         self.cfg = cfg
         self.target = Model(resolve(cfg.model, quiet=quiet), cfg.n_gpu_layers)
-        ccfg = ContextConfig(cfg.n_ctx, cfg.n_batch, cfg.threads, max(1, cfg.max_branches), cfg.kv_type)
-        self.ctx = Context(self.target, ccfg)
+        self.ctx = Context(self.target, self._single_config())
         self.kv = KVSeq(self.ctx)
         self.n_ctx_seq = self.ctx.n_ctx  # tokens per sequence (-c, capped by the model's training length)
         self.draft_model: Model | None = None
@@ -70,8 +69,8 @@ class Engine:
                                               cfg.n_gpu_layers_draft, quiet)
         self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet)
         if cfg.kv_type != "q8_0":
-            log.warning("with an %s KV cache, llama.cpp takes other attention kernels for one row and for many on a CPU (past 512 "
-                        "cells): verified batches may differ from plain decoding in the last bits, so greedy "
+            log.warning("with an %s KV cache, llama.cpp takes other attention kernels for one row and for many "
+                        "on a CPU (past 512 cells): verified batches may differ from plain decoding in the last bits, so greedy "
                         "speculative output can differ from plain at near-ties (the q8_0 default keeps it exact)",
                         cfg.kv_type)
 
@@ -121,7 +120,7 @@ class Engine:
         bring back the single-sequence context. The engine holds one target KV cache at a time."""
         cfg = self.cfg
         if n_seq is None:
-            ccfg = ContextConfig(cfg.n_ctx, cfg.n_batch, cfg.threads, max(1, cfg.max_branches), cfg.kv_type)
+            ccfg = self._single_config()
         else:
             ccfg = ContextConfig(self.n_ctx_seq * n_seq, max(cfg.n_batch, 32), cfg.threads, n_seq, cfg.kv_type,
                                  unified=False)
@@ -131,6 +130,11 @@ class Engine:
         self.ctx = Context(self.target, ccfg)
         self.kv = KVSeq(self.ctx)
         return self.ctx
+
+    def _single_config(self) -> ContextConfig:
+        """One sequence, with sequence ids for tree branches when the methods draft trees."""
+        c = self.cfg
+        return ContextConfig(c.n_ctx, c.n_batch, c.threads, max(1, c.max_branches), c.kv_type)
 
     def close(self) -> None:
         for obj in (self.draft_ctx, self.draft_model, self.ctx, self.target):
