@@ -40,6 +40,7 @@ class EngineConfig:
     max_branches: int = 8
     kv_type: str = "q8_0"
     pearl_gamma: int = 4
+    heads: str | None = None  # a heads file (--heads): Medusa or EAGLE
 
 
 class Engine:
@@ -49,7 +50,8 @@ class Engine:
         from .models import cache_root, resolve
 
         self.cfg = cfg
-        self.target = Model(resolve(cfg.model, quiet=quiet), cfg.n_gpu_layers)
+        # nextn (MTP) layers, where the model has them, are loaded for --spec mtp (one layer more)
+        self.target = Model(resolve(cfg.model, quiet=quiet), cfg.n_gpu_layers, load_mtp=True)
         self.ctx = Context(self.target, self._single_config())
         self.kv = KVSeq(self.ctx)
         self.n_ctx_seq = self.ctx.n_ctx  # tokens per sequence (-c, capped by the model's training length)
@@ -67,6 +69,8 @@ class Engine:
             self.draft_kv = KVSeq(self.draft_ctx)  # one per context: its token list is the cache's
             self.draft_cost = load_or_measure(self.draft_ctx, self.draft_kv, cache_root() / "costs.json",
                                               cfg.n_gpu_layers_draft, quiet)
+        self._heads = None  # (path, runtime) once loaded
+        self._kinds: set[str] | None = None
         self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet)
         if cfg.kv_type != "q8_0":
             log.warning("with an %s KV cache, llama.cpp takes other attention kernels for one row and for many "
@@ -112,6 +116,73 @@ class Engine:
             return PearlGeneration(self, prompt, max_tokens, sampling, gamma=self.cfg.pearl_gamma)
         return self.generate(prompt, max_tokens, sampling, drafter or self.make_drafter(method, sampling.seed))
 
+    # -- heads ----------------------------------------------------------------------------
+
+    def heads_kinds(self) -> set[str]:
+        """The kinds of heads this target has: the --heads file's, else those found in the heads
+        cache and shipped with edgespec; "mtp" too when the model has nextn layers."""
+        if self._kinds is None:
+            from .heads.store import describe, kinds_for
+
+            if self.cfg.heads:
+                from pathlib import Path
+
+                p = Path(self.cfg.heads)
+                d = describe(p) if p.is_file() else None
+                if d:
+                    kinds = {d["kind"]}
+                else:
+                    from .heads.store import checkpoint_kind
+
+                    kinds = {checkpoint_kind(p)} if p.is_dir() else set()
+            else:
+                kinds = kinds_for(self.target)
+            if self.target.n_layer_nextn > 0:
+                kinds.add("mtp")
+            self._kinds = kinds
+        return self._kinds
+
+    def heads_path(self, kind: str):
+        """The heads file for method `kind`: --heads (a checkpoint folder is converted into the
+        cache once), else the one cached or shipped for this target; one clear line otherwise."""
+        from .heads.format import HeadsError
+        from .heads.store import describe, find_heads, resolve_heads
+
+        if self.cfg.heads:
+            p = resolve_heads(self.cfg.heads, kind, self.target)
+            d = describe(p)
+            if d is None:
+                raise HeadsError(f"{p} is not a heads file (made by `edgespec convert` or `edgespec train`)")
+            if d["kind"] != kind:
+                raise HeadsError(f"{p} holds {d['kind']} heads, not {kind}: use --spec {d['kind']}")
+            return p
+        p = find_heads(kind, self.target)
+        if p is None:
+            raise HeadsError(f"--spec {kind} needs heads for {self.target.path.name}: none cached or shipped; pass "
+                             f"--heads FILE, or make them with `edgespec train {kind} -m MODEL`"
+                             + (" or `edgespec convert`" if kind != "mtp" else ""))
+        return p
+
+    def load_heads(self, kind: str):
+        """The numpy runtime of the heads for method `kind` (medusa, eagle, mtp), loaded once."""
+        from .heads.format import check_target, read_heads
+        from .heads.runtime import EagleHead, MedusaHeads
+        from .heads.target import TargetWeights
+
+        path = self.heads_path(kind)
+        if self._heads is None or self._heads[0] != path:
+            from threadpoolctl import threadpool_limits
+
+            # numpy's BLAS threads spin after each call and would take the cores llama.cpp's
+            # threads need in the next decode; the heads' few rows gain nothing from them.
+            threadpool_limits(1, user_api="blas")
+            hf = read_heads(path)
+            check_target(hf, self.target)
+            tw = TargetWeights(self.target.path, self.target.n_vocab, hf.get("heads.n_embd"))
+            rt = MedusaHeads(hf, tw) if kind == "medusa" else EagleHead(hf, tw, self.n_ctx_seq)
+            self._heads = (path, rt)
+        return self._heads[1]
+
     # -- contexts -------------------------------------------------------------------------
 
     def use_streams(self, n_seq: int | None) -> Context:
@@ -126,6 +197,9 @@ class Engine:
                                  unified=False)
         if self.ctx.cfg == ccfg:
             return self.ctx
+        from .drafters.eagle3 import release as release_eagle3
+
+        release_eagle3(self)  # its draft context points at the context freed here
         self.ctx.close()
         self.ctx = Context(self.target, ccfg)
         self.kv = KVSeq(self.ctx)
@@ -137,6 +211,11 @@ class Engine:
         return ContextConfig(c.n_ctx, c.n_batch, c.threads, max(1, c.max_branches), c.kv_type)
 
     def close(self) -> None:
+        from .drafters.eagle3 import release as release_eagle3
+        from .drafters.mtp import release
+
+        release(self)  # the MTP context runs on the target model: free it first
+        release_eagle3(self)  # the EAGLE-3 draft context reads the target's context (ctx_other)
         for obj in (self.draft_ctx, self.draft_model, self.ctx, self.target):
             if obj is not None:
                 obj.close()

@@ -56,7 +56,8 @@ def _ggml():
             ("gguf_get_tensor_offset", sz, [p, i64]), ("gguf_get_tensor_size", sz, [p, i64]),
             ("gguf_get_tensor_name", c, [p, i64]), ("gguf_find_key", i64, [p, c]),
             ("gguf_get_arr_n", sz, [p, i64]), ("gguf_get_arr_str", c, [p, i64, sz]),
-            ("gguf_get_val_str", c, [p, i64]),
+            ("gguf_get_val_str", c, [p, i64]), ("gguf_find_tensor", i64, [p, c]),
+            ("gguf_get_tensor_type", ctypes.c_int, [p, i64]),
         ]:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
@@ -157,6 +158,44 @@ def _read(p: Path, size: int) -> GGUFInfo:
         lib.gguf_free(ctx)
 
 
+_META_TYPES = {4: "gguf_get_val_u32", 5: "gguf_get_val_i32", 6: "gguf_get_val_f32", 7: "gguf_get_val_bool"}
+
+
+def read_meta(path: str | os.PathLike, prefixes: tuple[str, ...]) -> dict:
+    """The string, integer, float and bool values of the keys that start with one of `prefixes`
+    (arrays are left out), read with ggml's parser in milliseconds."""
+    lib = _ggml()
+    if not hasattr(lib, "_meta_bound"):
+        i64, p = ctypes.c_int64, ctypes.c_void_p
+        for name, res, args in (("gguf_get_n_kv", i64, [p]), ("gguf_get_key", ctypes.c_char_p, [p, i64]),
+                                ("gguf_get_kv_type", ctypes.c_int, [p, i64]),
+                                ("gguf_get_val_u32", ctypes.c_uint32, [p, i64]),
+                                ("gguf_get_val_i32", ctypes.c_int32, [p, i64]),
+                                ("gguf_get_val_f32", ctypes.c_float, [p, i64]),
+                                ("gguf_get_val_bool", ctypes.c_bool, [p, i64])):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        lib._meta_bound = True
+    p = check_file(path)
+    ctx, said = _open(p)
+    if not ctx:
+        raise ModelError(f"cannot read {p}: {said.splitlines()[-1] if said else 'not a GGUF header'}")
+    try:
+        out: dict = {}
+        for k in range(lib.gguf_get_n_kv(ctx)):
+            key = lib.gguf_get_key(ctx, k).decode("utf-8", "replace")
+            if not key.startswith(prefixes):
+                continue
+            t = lib.gguf_get_kv_type(ctx, k)
+            if t == 8:  # GGUF_TYPE_STRING
+                out[key] = lib.gguf_get_val_str(ctx, k).decode("utf-8", "replace")
+            elif t in _META_TYPES:
+                out[key] = getattr(lib, _META_TYPES[t])(ctx, k)
+        return out
+    finally:
+        lib.gguf_free(ctx)
+
+
 def _read_tokens(p: Path) -> tuple[bytes, ...]:
     lib = _ggml()
     ctx, _ = _open(p)
@@ -168,6 +207,43 @@ def _read_tokens(p: Path) -> tuple[bytes, ...]:
         return tuple(get(ctx, k, i) for i in range(lib.gguf_get_arr_n(ctx, k)))
     finally:
         lib.gguf_free(ctx)
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where one tensor's bytes lie in a GGUF file, and their ggml type."""
+
+    offset: int  # from the start of the file
+    nbytes: int
+    ggml_type: int
+
+
+def tensor_location(path: str | os.PathLike, name: str) -> TensorLocation | None:
+    """The location of tensor `name` in `path`, or None when the file has no such tensor."""
+    lib = _ggml()
+    p = check_file(path)
+    ctx, _ = _open(p)
+    if not ctx:
+        raise ModelError(f"cannot read the tensor table of {p}")
+    try:
+        t = lib.gguf_find_tensor(ctx, name.encode())
+        if t < 0:
+            return None
+        return TensorLocation(lib.gguf_get_data_offset(ctx) + lib.gguf_get_tensor_offset(ctx, t),
+                              lib.gguf_get_tensor_size(ctx, t), lib.gguf_get_tensor_type(ctx, t))
+    finally:
+        lib.gguf_free(ctx)
+
+
+def vocab_fingerprint(info: GGUFInfo) -> str:
+    """A short hash of the whole token list: heads record the tokenizer they were made for."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in info.tokens:
+        h.update(len(t).to_bytes(4, "little"))
+        h.update(t)
+    return h.hexdigest()[:16]
 
 
 def compare_vocab(target: GGUFInfo, draft: GGUFInfo) -> None:

@@ -89,10 +89,15 @@ class KVSeq:
         self.truncate(keep)
         return self.extend(tokens[keep:]), len(tokens) - keep
 
-    def extend(self, new: list[int], want_logits: bool = True, all_rows: bool = False) -> int | None:
+    def extend(self, new: list[int], want_logits: bool = True, all_rows: bool = False,
+               on_hidden=None, on_rows=None) -> int | None:
         """Decode `new` after the cache in chunks; return the output row of the last token.
 
-        `all_rows` asks logits for every row (one chunk only: used by the cost probes)."""
+        `all_rows` asks logits for every row (one chunk only: used by the cost probes).
+        `on_hidden(hidden, pos)` receives the hidden states of every row, chunk by chunk (heads
+        that read the whole prompt's features; the context's embeddings must be on).
+        `on_rows(pos, rows)` receives each chunk's batch rows right after its decode, without
+        asking outputs for them (MTP reads the target's nextn states, kept for every row)."""
         if len(self.tokens) + len(new) > self.capacity:
             raise ContextFullError(
                 f"{len(self.tokens) + len(new)} tokens do not fit in a context of {self.capacity} (raise -c)"
@@ -105,13 +110,19 @@ class KVSeq:
             chunk = new[s : s + step]
             last = s + step >= len(new)
             base = len(self.tokens)
-            outputs = [all_rows] * len(chunk)
+            # layer-input taps (EAGLE-3) exist for every row of a decode; the post-norm hidden
+            # state only for output rows, which also cost a row of logits each
+            outputs = [all_rows or (on_hidden is not None and not self.ctx.taps)] * len(chunk)
             if last and want_logits:
                 outputs[-1] = True
                 row = len(chunk) - 1
             ids = None if self.seq == 0 else [(self.seq,)] * len(chunk)
             self.ctx.decode(chunk, list(range(base, base + len(chunk))), ids, outputs)
             self.tokens.extend(chunk)
+            if on_hidden is not None:
+                on_hidden(self.ctx.hidden(list(range(len(chunk)))), base)
+            if on_rows is not None:
+                on_rows(base, list(range(len(chunk))))
         return row
 
     def decode_tree(self, pending: list[int], draft: Draft) -> TreeLayout:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -35,6 +35,7 @@ class Lifecycle:
     stats: Stats = field(default_factory=Stats)
     context: list[int] = field(default_factory=list)  # prompt + tokens, grown in place
     t_start: float = 0.0
+    prompt_hidden: np.ndarray | None = None  # see _prologue
 
     def __iter__(self) -> Iterator[StepEvent]:  # pragma: no cover - each scheduler has its own
         raise NotImplementedError
@@ -49,9 +50,15 @@ class Lifecycle:
             pass
         return self
 
-    def _prologue(self, kv: KVSeq) -> tuple[int, np.random.Generator]:
+    def _prologue(self, kv: KVSeq, hidden: str = "", taps: tuple[int, ...] | None = None,
+                  on_rows: Callable[[int, list[int]], None] | None = None) -> tuple[int, np.random.Generator]:
         """Check the prompt, read it into `kv`'s cache and pick the first token. Returns it and
-        the generation's random stream (fresh entropy unless the sampling has a seed)."""
+        the generation's random stream (fresh entropy unless the sampling has a seed).
+
+        `hidden` ("last" or "all") keeps the target's hidden states of the prompt's last row or
+        of every row in `prompt_hidden` (heads draft from them): the post-norm output, or with
+        `taps` the inputs of those layers (EAGLE-3). `on_rows(pos, rows)` is called after each
+        chunk's decode with its batch rows (MTP reads the target's nextn states of every row)."""
         st = self.stats
         if not self.prompt:
             raise EdgespecError("empty prompt")
@@ -64,7 +71,17 @@ class Lifecycle:
         rng = np.random.default_rng(self.sampling.seed)
         t0 = time.perf_counter()
         kv.reset()
-        row = kv.extend(self.prompt)
+        if hidden:
+            kv.ctx.set_embeddings(True)
+        kv.ctx.set_hidden_taps(taps if hidden else None)
+        if hidden == "all":
+            parts: list[np.ndarray] = []
+            row = kv.extend(self.prompt, on_hidden=lambda h, pos: parts.append(h), on_rows=on_rows)
+            self.prompt_hidden = np.concatenate(parts)
+        else:
+            row = kv.extend(self.prompt, on_rows=on_rows)
+            if hidden:
+                self.prompt_hidden = kv.ctx.hidden([row])
         first = pick(kv.ctx.logits(row), self.sampling, rng)
         st.t_prompt = time.perf_counter() - t0
         self.context = list(self.prompt)

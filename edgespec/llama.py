@@ -56,12 +56,15 @@ def last_log_error() -> str:
 class Model:
     """A loaded GGUF model and its vocabulary."""
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0):
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, load_mtp: bool = False):
+        """`load_mtp`: also load the model's nextn (MTP) layers, for an MTP draft context."""
         backend_init()
         self.info = inspect(path)  # a damaged file gets a clear line before llama.cpp sees it
         self.path = self.info.path
         params = lc.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
+        params.load_mtp = bool(load_mtp)
+        self.load_mtp = bool(load_mtp)
         _LOG.clear()
         ptr = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
@@ -72,6 +75,8 @@ class Model:
         self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(lc.llama_model_n_ctx_train(ptr))
         self.n_layer = int(lc.llama_model_n_layer(ptr))
+        self.n_embd = int(lc.llama_model_n_embd(ptr))
+        self.n_layer_nextn = int(lc.llama_model_n_layer_nextn(ptr))  # MTP layers (counted when loaded)
         self.bos = int(lc.llama_vocab_bos(self.vocab))
         self.eos = int(lc.llama_vocab_eos(self.vocab))
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
@@ -166,6 +171,8 @@ class ContextConfig:
     # cells per sequence (batch decoding: a sequence's cells then stay in position order, which
     # keeps its logits bit-identical to decoding it alone). None: unified when n_seq_max > 1.
     unified: bool | None = None
+    ctx_type: int = 0  # llama_context_type: 0 the model's own graph, LLAMA_CONTEXT_TYPE_MTP its nextn layers
+    other: int | None = None  # llama_context* a draft context reads (EAGLE-3: the target's), as an address
 
 
 # KV cache types. q8_0 is the default because it keeps greedy speculation bit-exact on a CPU: with
@@ -202,6 +209,9 @@ class Context:
         p.swa_full = True
         # Tree branches share the prompt's cells; one unified cache makes that a metadata copy.
         p.kv_unified = cfg.n_seq_max > 1 if cfg.unified is None else cfg.unified
+        p.ctx_type = cfg.ctx_type
+        if cfg.other is not None:
+            p.ctx_other = ctypes.c_void_p(cfg.other)
         ctx = lc.llama_init_from_model(model.ptr, p)
         if not ctx:
             raise ModelError(f"cannot create a llama.cpp context for {model.path}: {last_log_error()}")
@@ -263,6 +273,59 @@ class Context:
             raise EdgespecError(f"internal: no logits for batch row {i}")
         addr = ctypes.cast(ptr, ctypes.c_void_p).value
         return np.frombuffer(self._row_type.from_address(addr), dtype=np.float32)
+
+    def set_embeddings(self, on: bool) -> None:
+        """Also output the post-norm hidden state of every output row (heads draft from it);
+        the logits are unchanged."""
+        if on != getattr(self, "_embeddings", False):
+            lc.llama_set_embeddings(self.ptr, on)
+            self._embeddings = on
+
+    def set_hidden_taps(self, layers: tuple[int, ...] | None) -> None:
+        """With `layers`, `hidden` gives the inputs of those layers (EAGLE-3's taps), concatenated,
+        instead of the post-norm output; None goes back to the output. Set before decoding."""
+        from . import llama_ext
+
+        old = getattr(self, "_taps", None)
+        if layers == old:
+            return
+        for lid in old or ():
+            llama_ext.fn("set_embeddings_layer_inp")(self.ptr, lid, False)
+        for lid in layers or ():
+            if not 0 <= lid < self.model.n_layer:
+                raise EdgespecError(f"layer {lid} is not a layer of {self.model.path.name} ({self.model.n_layer} layers)")
+            llama_ext.fn("set_embeddings_layer_inp")(self.ptr, lid, True)
+        self._taps = layers
+
+    @property
+    def taps(self) -> tuple[int, ...] | None:
+        """The layers whose inputs `hidden` gives (set_hidden_taps), or None."""
+        return getattr(self, "_taps", None)
+
+    def hidden(self, rows: list[int]) -> np.ndarray:
+        """Copies of the hidden states of batch rows `rows` of the last decode: the post-norm
+        output [len(rows), n_embd] (rows must be output rows), or with taps set the inputs of
+        those layers, concatenated [len(rows), n_taps * n_embd]."""
+        d = self.model.n_embd
+        taps = getattr(self, "_taps", None)
+        if taps:
+            from . import llama_ext
+
+            get = llama_ext.fn("get_embeddings_layer_inp")
+            out = np.empty((len(rows), len(taps) * d), np.float32)
+            idx = np.asarray(rows, dtype=np.int64)
+            n = int(idx.max()) + 1 if len(rows) else 0
+            for k, lid in enumerate(taps):
+                ptr = get(self.ptr, lid)
+                out[:, k * d : (k + 1) * d] = np.ctypeslib.as_array(ptr, shape=(n, d))[idx]
+            return out
+        out = np.empty((len(rows), d), np.float32)
+        for j, i in enumerate(rows):
+            ptr = lc.llama_get_embeddings_ith(self.ptr, i)
+            if not ptr:
+                raise EdgespecError(f"internal: no hidden state for batch row {i} (embeddings off?)")
+            out[j] = np.ctypeslib.as_array(ptr, shape=(d,))
+        return out
 
     # -- memory: called only by kv.KVSeq -------------------------------------------------
 

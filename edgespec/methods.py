@@ -38,7 +38,9 @@ class Method:
     build: Callable[["Engine", Options], "Drafter"] | None = None
 
     def available(self, engine: "Engine") -> bool:
-        return not self.needs_draft_model or engine.draft_model is not None
+        if self.needs_draft_model and engine.draft_model is None:
+            return False
+        return not self.needs_heads or self.name in engine.heads_kinds()
 
 
 def _none(engine, opt):
@@ -80,6 +82,37 @@ def _auto(engine, opt):
     return ChainDrafter([look, _draft(engine, opt)])
 
 
+def _medusa(engine, opt):
+    from .drafters.heads import MedusaDrafter
+
+    return MedusaDrafter(engine.load_heads("medusa"))
+
+
+def _eagle(engine, opt):
+    from .drafters.heads import EagleDrafter
+
+    head = engine.load_heads("eagle")
+    return EagleDrafter(head, depth=max(1, min(engine.cfg.draft_n_max, 8)))
+
+
+def _mtp(engine, opt):
+    """The model's own nextn layers in llama.cpp where it has them, else a trained MTP module."""
+    if engine.target.n_layer_nextn > 0 and not engine.cfg.heads:
+        from .drafters.mtp import build
+
+        return build(engine)
+    from .drafters.heads import EagleDrafter
+
+    return EagleDrafter(engine.load_heads("mtp"), depth=max(1, min(engine.cfg.draft_n_max, 1 + engine.cfg.draft_n_min // 4)),
+                        name="mtp")
+
+
+def _eagle3(engine, opt):
+    from .drafters.eagle3 import build
+
+    return build(engine, engine.heads_path("eagle3"), tree=opt.max_branches > 1)
+
+
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("none", "plain decoding through the same loop: the baseline", build=_none, multi_sequence=True),
     Method("ngram", "prompt lookup: the last 1-3 tokens matched in prompt and output", build=_ngram,
@@ -91,6 +124,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            build=_auto, trees=True, multi_sequence=True),
     Method("pearl", "the draft model drafts in its own thread while the target verifies (PEARL)",
            scheduler="pearl", needs_draft_model=True),
+    Method("medusa", "Medusa heads on the target's last hidden state propose the next tokens, as a tree",
+           build=_medusa, needs_target_hidden=True, needs_heads=True, trees=True),
+    Method("eagle", "an EAGLE head runs ahead on the target's features (EAGLE-2's dynamic tree)",
+           build=_eagle, needs_target_hidden=True, needs_heads=True, trees=True),
+    Method("eagle3", "an EAGLE-3 head (three target layers fused) in llama.cpp's own eagle3 graph (EAGLE-2's tree)",
+           build=_eagle3, needs_target_hidden=True, needs_heads=True, trees=True),
+    Method("mtp", "multi-token prediction: the model's nextn layers (DeepSeek-V3 style), or a trained MTP module",
+           build=_mtp, needs_target_hidden=True, needs_heads=True, trees=True),
 )}
 
 

@@ -41,8 +41,13 @@ class Spy:
     def __init__(self, inner):
         self.inner = inner
         self.name = inner.name
-        self.needs_target_hidden = False
+        self.needs_target_hidden = getattr(inner, "needs_target_hidden", False)
+        self.needs_prompt_hidden = getattr(inner, "needs_prompt_hidden", False)
+        self.hidden_taps = getattr(inner, "hidden_taps", None)
         self.log = []
+
+    def observe(self, hidden, pos):
+        self.inner.observe(hidden, pos)
 
     def begin(self, prompt):
         self.inner.begin(prompt)

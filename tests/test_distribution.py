@@ -129,6 +129,10 @@ METHODS = {
     "lookahead": lambda eng: forced(eng, lambda cfg: eng.make_drafter("lookahead")),
     "ngram": lambda eng: forced(eng, lambda cfg: eng.make_drafter("ngram")),
     "pearl": lambda eng: lambda cfg: eng.start(eng.prompt_tokens(PROMPT, raw=True), L, cfg, "pearl"),
+    # the heads shipped for SmolLM2 (trees drafted from the target's hidden states)
+    "medusa": lambda eng: forced(eng, lambda cfg: eng.make_drafter("medusa")),
+    "eagle": lambda eng: forced(eng, lambda cfg: eng.make_drafter("eagle")),
+    "mtp": lambda eng: forced(eng, lambda cfg: eng.make_drafter("mtp")),
 }
 
 

@@ -23,14 +23,21 @@ class Budget:
     cost: CostModel
     sampling: SamplingConfig
     n_past: int = 0  # tokens already in the target's cache: every row attends to all of them
+    n_min: int = 0  # --spec-draft-n-min: at least this many nodes whenever there are candidates
 
     def size(self, path_probs: list[float], per_node: float = 0.0) -> int:
-        """How many candidates (in order, each with the chance its path is accepted) pay."""
-        return self.cost.best_size(path_probs, self.fixed_rows, per_node, n_past=self.n_past)
+        """How many candidates (in order, each with the chance its path is accepted) pay; at
+        least `n_min` of them (bypassing the cost model, to measure acceptance where drafting
+        does not pay)."""
+        n = self.cost.best_size(path_probs, self.fixed_rows, per_node, n_past=self.n_past)
+        return max(n, min(self.n_min, len(path_probs), self.max_nodes))
 
 
 class Drafter(Protocol):
     name: str
+    # Heads read the target's hidden states (post-norm features): `observe` gets them for the
+    # prompt (every row when `needs_prompt_hidden`, else the last) and after each step for the
+    # root row and the accepted nodes.
     needs_target_hidden: bool
 
     def begin(self, prompt: list[int]) -> None:
@@ -44,6 +51,15 @@ class Drafter(Protocol):
 
     def end(self) -> None:
         """The generation is over (finished, stopped or failed)."""
+
+
+class HiddenDrafter(Drafter, Protocol):
+    needs_prompt_hidden: bool
+    hidden_taps: tuple[int, ...] | None  # EAGLE-3: the target layers whose inputs `observe` gets
+
+    def observe(self, hidden: np.ndarray, pos: int) -> None:
+        """The target's features of committed positions `pos .. pos+len(hidden)-1` (row i is
+        the state at position pos+i, the one that predicts the token after it)."""
 
 
 class Calibration:

@@ -37,13 +37,22 @@ def _add_spec_args(p: argparse.ArgumentParser, default_spec: str = "auto") -> No
     g.add_argument("--spec-draft-n-max", "--draft-max", dest="draft_n_max", type=int, default=16,
                    help="most tokens the draft model drafts per step (default: %(default)s)")
     g.add_argument("--spec-draft-n-min", "--draft-min", dest="draft_n_min", type=int, default=0,
-                   help="fewest draft-model tokens worth verifying; shorter drafts are dropped (default: %(default)s)")
+                   help="draft at least N tokens (nodes) whenever the drafter has any, whatever the cost model says: "
+                        "to measure acceptance where drafting does not pay (default: %(default)s)")
     g.add_argument("--spec-draft-p-min", dest="draft_p_min", type=float, default=0.0,
                    help="stop drafting when the draft model's top probability falls below this (default: %(default)s: "
                         "the cost model decides)")
     g.add_argument("--pearl-gamma", type=int, default=4, help="PEARL draft length per round (default: %(default)s)")
     g.add_argument("--lookahead-cache", default=None, metavar="PATH",
                    help="load the lookahead trie from PATH and save its output branches back after the run")
+    _add_heads_arg(g)
+
+
+def _add_heads_arg(g) -> None:
+    g.add_argument("--heads", default=None, metavar="PATH",
+                   help="heads for --spec medusa|eagle|eagle3|mtp: a .gguf made by `edgespec convert` or `edgespec "
+                        "train`, or a checkpoint folder (converted into the cache on first use); default: the "
+                        "heads cached or shipped for the target, if any")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -139,6 +148,45 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-draft-n-min", "--draft-min", dest="draft_n_min", type=int, default=0)
     g.add_argument("--spec-draft-p-min", dest="draft_p_min", type=float, default=0.0)
     g.add_argument("--pearl-gamma", type=int, default=4)
+    _add_heads_arg(g)
+
+    cv = sub.add_parser("convert", help="turn a published Medusa/EAGLE/EAGLE-3/MTP checkpoint into a heads GGUF",
+                        description="Convert a checkpoint folder in its upstream layout (FasterDecoding/Medusa, "
+                                    "SafeAILab/EAGLE, EAGLE-3) into a GGUF file for --heads. EAGLE-3 is written as "
+                                    "llama.cpp's own eagle3 file (it also runs in llama-speculative-simple).")
+    cv.add_argument("kind", choices=["medusa", "eagle", "eagle3", "mtp"], help="checkpoint kind")
+    cv.add_argument("src", help="checkpoint folder (config.json and .safetensors/.bin/.pt weights)")
+    cv.add_argument("--target", "-m", dest="model", default="smollm2-135m-instruct",
+                    help="the target model the heads were trained for (default: %(default)s)")
+    cv.add_argument("-o", "--output", required=True, help="output .gguf path")
+
+    tr = sub.add_parser("train", help="train Medusa/EAGLE/MTP heads for a target on this machine (the train extra)",
+                        description="Self-distillation: the target answers prompts, its hidden states are stored "
+                                    "(resumable), heads are trained with JAX and written in the upstream checkpoint "
+                                    "layout and as a heads GGUF. Ctrl+C stops and a rerun resumes.")
+    tr.add_argument("kind", choices=["medusa", "eagle", "mtp"], help="what to train")
+    tr.add_argument("-m", "--model", default="smollm2-135m-instruct",
+                    help="target model: catalog name, name:quant, or a .gguf path (default: %(default)s)")
+    tr.add_argument("--data", action="append", default=None, metavar="SUITE|FILE",
+                    help="prompts: builtin, mtbench, humaneval, a JSONL file (messages or prompt per line) or a text "
+                         "file (prompts separated by blank lines); repeatable (default: mtbench, humaneval, builtin)")
+    tr.add_argument("--tokens", type=int, default=40000, help="tokens of training data to collect (default: %(default)s)")
+    tr.add_argument("--epochs", type=float, default=4.0, help="passes over the data (default: %(default)s)")
+    tr.add_argument("--max-new", type=int, default=256, help="tokens the target answers per prompt (default: %(default)s)")
+    tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
+    tr.add_argument("--batch", type=int, default=256, help="positions per step (default: %(default)s)")
+    tr.add_argument("--draft-vocab", type=int, default=8192,
+                    help="draft vocabulary: the N tokens the target says most often (default: %(default)s)")
+    tr.add_argument("--heads-n", dest="medusa_heads", type=int, default=3, help="Medusa heads (default: %(default)s)")
+    tr.add_argument("--work", default=None, metavar="DIR",
+                    help="folder for data, checkpoints, report and curves (default: in the cache, per target)")
+    tr.add_argument("--exclude", default=None, metavar="FILE",
+                    help="leave out prompts that are also in this JSONL file (your evaluation prompts)")
+    tr.add_argument("-o", "--output", default=None,
+                    help="output .gguf (default: the heads cache, where --spec finds it for this target)")
+    tr.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=2048, help="context for data collection (default: %(default)s)")
+    tr.add_argument("-t", "--threads", type=int, default=0, help="threads (default: all cores, at most 8)")
+    tr.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return ap
 
 
@@ -151,7 +199,7 @@ def _engine_config(a):
         draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=a.kv_type,
         # chains need one sequence; only trees borrow more (and a multi-sequence cache costs a little)
         max_branches=8 if methods.get(getattr(a, "spec", "auto")).trees else 1,
-        pearl_gamma=getattr(a, "pearl_gamma", 4),
+        pearl_gamma=getattr(a, "pearl_gamma", 4), heads=getattr(a, "heads", None),
     )
 
 
@@ -299,6 +347,15 @@ def cmd_models(a) -> int:
         size = f"{r['size'] / 1e6:7.1f} MB" if r["size"] else "        ?"
         state = "cached" if r["cached"] else "  -   "
         print(f"{r['name']:<{w}}  {state}  {size}  {r['description']}")
+    from ..heads.store import heads_dir, list_heads
+
+    heads = list_heads()
+    print(f"\nheads: {heads_dir()} (and shipped with edgespec)")
+    if not heads:
+        print("  none (make them with `edgespec train` or `edgespec convert`)")
+    for h in heads:
+        where = "shipped" if h["shipped"] else "cached "
+        print(f"  {h['kind']:<7} {where} {h['size'] / 1e6:6.1f} MB  for {h['target']}  {h['path'].name}")
     return 0
 
 
@@ -354,6 +411,18 @@ def cmd_bench(a) -> int:
     return run_bench(a, _engine_config(a))
 
 
+def cmd_convert(a) -> int:
+    from .heads_cmd import run_convert
+
+    return run_convert(a)
+
+
+def cmd_train(a) -> int:
+    from .heads_cmd import run_train
+
+    return run_train(a)
+
+
 class _StderrHandler(logging.Handler):
     """The core's notes (logging), one line each on whatever stderr is at the time."""
 
@@ -384,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 2
     handlers = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "models": cmd_models, "quantize": cmd_quantize, "bench": cmd_bench,
-                "batch": cmd_batch}
+                "batch": cmd_batch, "convert": cmd_convert, "train": cmd_train}
     try:
         return handlers[a.cmd](a)
     except EdgespecError as e:

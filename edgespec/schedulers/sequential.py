@@ -30,12 +30,19 @@ class Generation(Lifecycle):
     def __iter__(self) -> Iterator[StepEvent]:
         eng, st, cfg = self.engine, self.stats, self.sampling
         ctx, kv = eng.ctx, eng.kv
-        first, rng = self._prologue(kv)
-        self.drafter.begin(self.prompt)
-        self.t_start = time.perf_counter()
-        pending = [first]  # committed, not yet in the cache
-        step_no = 0
+        heads = getattr(self.drafter, "needs_target_hidden", False)
+        # MTP reads the target's own rows (its nextn states) right after each target decode
+        rows_hook = getattr(self.drafter, "observe_rows", None)
+        self.drafter.begin(self.prompt)  # before the prompt: a drafter may follow it chunk by chunk
         try:
+            first, rng = self._prologue(kv, ("all" if self.drafter.needs_prompt_hidden else "last") if heads else "",
+                                        getattr(self.drafter, "hidden_taps", None), on_rows=rows_hook)
+            if heads:
+                self.drafter.observe(self.prompt_hidden, len(self.prompt) - len(self.prompt_hidden))
+                self.prompt_hidden = None
+            self.t_start = time.perf_counter()
+            pending = [first]  # committed, not yet in the cache
+            step_no = 0
             committed = [first]
             draft, accepted = Draft(), []
             t_draft = t_verify = 0.0
@@ -57,6 +64,7 @@ class Generation(Lifecycle):
                     cost=eng.cost,
                     sampling=cfg,
                     n_past=kv.n,
+                    n_min=eng.cfg.draft_n_min,
                 )
                 t1 = time.perf_counter()
                 draft = self.drafter.propose(self.context, budget) if budget.max_nodes > 0 else Draft()
@@ -65,6 +73,11 @@ class Generation(Lifecycle):
                 layout = kv.decode_tree(pending, draft)
                 eng.cost.observe(len(pending) + len(draft), n_before, time.perf_counter() - t2)
                 accepted, nxt = verify_step(draft, lambda n: ctx.logits(layout.row(n)), cfg, rng)
+                if rows_hook is not None:  # batch rows of the root and the accepted path
+                    rows_hook(len(self.context) - 1, [layout.row(-1)] + [layout.row(a) for a in accepted])
+                if heads:  # features of the root (the last pending token) and the accepted path
+                    self.drafter.observe(ctx.hidden([layout.row(-1)] + [layout.row(a) for a in accepted]),
+                                         len(self.context) - 1)
                 # accepted nodes off the first branch are re-laid by the next decode (see commit_tree)
                 relay = kv.commit_tree(layout, pending, draft, accepted)
                 pending = relay + [nxt]
@@ -73,5 +86,5 @@ class Generation(Lifecycle):
                 t_draft, t_verify = t2 - t1, t3 - t2
                 self.drafter.accept(draft, accepted, committed)
         finally:
-            st.t_gen = time.perf_counter() - self.t_start
+            st.t_gen = time.perf_counter() - self.t_start if self.t_start else 0.0
             self.drafter.end()

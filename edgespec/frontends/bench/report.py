@@ -11,8 +11,8 @@ def render_markdown(report: dict) -> str:
         f"Oracle ceiling on this machine: {c['speedup']:.2f}x (draft {c['draft_len']}, {c['n_past']} tokens of context).",
         "",
         "| method | category | prompts | tok/s | speedup (min-max) | vs own plain | efficiency | acceptance | "
-        "mean acc. len | acc. by position | draft / verify time | output = none |",
-        "|" + "---|" * 12,
+        "mean acc. len | acc. by position | draft / verify time | draft ms/token (plain step) | output = none |",
+        "|" + "---|" * 13,
     ]
     for r in report["summary"]:
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f})"
@@ -23,8 +23,10 @@ def render_markdown(report: dict) -> str:
         share = "-" if r["draft_share"] is None or r["verify_share"] is None else f"{100 * r['draft_share']:.0f}% / {100 * r['verify_share']:.0f}%"
         ok = "not checked" if r["all_match"] is None else "yes" if r["all_match"] else "**NO**"
         own = "-" if r.get("speedup_own_plain") is None else f"{r['speedup_own_plain']:.2f}x"
+        dms = "-" if r.get("draft_ms_per_token") is None else (
+            f"{r['draft_ms_per_token']:.2f}" + ("" if r.get("plain_step_ms") is None else f" ({r['plain_step_ms']:.1f})"))
         lines.append(f"| {r['method']} | {r['category']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {sp} | {own} | {eff} | "
-                     f"{acc} | {mal} | {pos} | {share} | {ok} |")
+                     f"{acc} | {mal} | {pos} | {share} | {dms} | {ok} |")
     return "\n".join(lines)
 
 

@@ -60,11 +60,19 @@ def summarize(records: list[dict], methods: list[str], cost, n_past: int) -> dic
                 "accepted_len_hist": st.accepted_len_hist,
                 "draft_share": _r(sum(r.get("t_draft", 0.0) for r in sel) / tgen if tgen and "t_draft" in sel[0] else None),
                 "verify_share": _r(sum(r.get("t_verify", 0.0) for r in sel) / tgen if tgen and "t_verify" in sel[0] else None),
+                # drafting time per drafted token against one plain target step (heads must be cheap)
+                "draft_ms_per_token": _r(1e3 * st.t_draft / st.n_drafted if st.n_drafted else None),
+                "plain_step_ms": _r(_plain_step_ms([base[k] for k in {(r["id"], r["repeat"]) for r in sel} if k in base])),
                 # llama.cpp's outputs are not compared (None): its text is printed, not its tokens
                 "all_match": None if all(r.get("match") is None for r in sel) else all(r.get("match", True) for r in sel),
             })
     return {"summary": rows, "cost_ms": cost.to_dict(),
             "ceiling": {"speedup": round(top, 3), "draft_len": top_k, "n_past": n_past}}
+
+
+def _plain_step_ms(records: list[dict]) -> float | None:
+    st = merged(records) if records else None
+    return 1e3 * st.t_verify / st.n_steps if st and st.n_steps and st.t_verify else None
 
 
 def _tps(record: dict) -> float:

@@ -1,0 +1,240 @@
+"""Drafters that read the target's hidden states: Medusa heads and an EAGLE head.
+
+Both build a tree of candidates with the chance that each path is accepted (the product of the
+heads' probabilities along it, calibrated against what the target really accepted), keep the
+best nodes (a parent always ranks above its children, so any best-first prefix is a tree), and
+let the cost curve (or `--spec-draft-n-min`) decide how many to verify. The trees are the same
+whatever the target will sample, so the verifier's tree walk keeps sampling exact.
+
+Medusa: head k of the feature that produced the pending token proposes the token k+1 places
+after it; a node's children are the next head's top tokens (independent of the node), so the
+tree is enumerated best-first over products. EAGLE-2: the head runs autoregressively over its own
+predicted features; each depth expands the `beam` most likely nodes into their top tokens, then
+the whole tree is reranked.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+
+import numpy as np
+
+from ..draft import Draft
+from ..heads.runtime import EagleHead, MedusaHeads
+from .base import Budget, Calibration
+
+
+def _top(p: np.ndarray, k: int) -> np.ndarray:
+    k = min(k, len(p))
+    idx = np.argpartition(-p, k - 1)[:k]
+    return idx[np.argsort(-p[idx])]
+
+
+def select(nodes: list[tuple[float, int, int, float]], budget: Budget, name: str, per_node: float = 0.0) -> Draft:
+    """`nodes`: (path probability, parent index or -1, token, conditional probability), parents
+    listed before children. Keep the most likely nodes within the budget's rows and branches."""
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], i))
+    kept: list[int] = []
+    index: dict[int, int] = {}
+    has_child: set[int] = set()
+    leaves = 0
+    for i in order:
+        if len(kept) >= budget.max_nodes:
+            break
+        parent = nodes[i][1]
+        if parent >= 0 and parent not in index:
+            continue  # its parent was cut: it cannot be verified
+        new_leaf = parent < 0 or parent in has_child
+        if new_leaf and leaves >= budget.max_branches:
+            continue
+        leaves += new_leaf
+        if parent >= 0:
+            has_child.add(parent)
+        index[i] = len(kept)
+        kept.append(i)
+    size = budget.size([nodes[i][0] for i in kept], per_node)
+    kept = kept[:size]
+    if not kept:
+        return Draft()
+    # Lay the tree out in depth-first preorder, likelier children first: the KV cache keeps the
+    # accepted nodes of the first branch in place only when that branch's nodes come first.
+    keep = set(kept)
+    kids: dict[int, list[int]] = {}
+    for i in kept:
+        kids.setdefault(nodes[i][1] if nodes[i][1] in keep else -1, []).append(i)
+    order_out: list[int] = []
+    stack = list(reversed(kids.get(-1, [])))
+    while stack:
+        i = stack.pop()
+        order_out.append(i)
+        stack.extend(reversed(kids.get(i, [])))
+    pos = {i: n for n, i in enumerate(order_out)}
+    return Draft([nodes[i][2] for i in order_out], [pos.get(nodes[i][1], -1) for i in order_out], source=name,
+                 est=[nodes[i][3] for i in order_out])
+
+
+class _HeadsDrafter:
+    needs_target_hidden = True
+    needs_prompt_hidden = False
+
+    def __init__(self, top_k: int):
+        self.top_k = top_k
+        self.calib = Calibration(prior=0.6)
+        self.t_draft = 0.0  # seconds spent drafting in this generation
+        self.n_draft = 0  # draft steps
+
+    def begin(self, prompt: list[int]) -> None:
+        self.t_draft, self.n_draft = 0.0, 0
+
+    def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
+        self.calib.update(draft, accepted)
+
+    def end(self) -> None:
+        pass
+
+    def _cond(self, p: float) -> float:
+        return min(1.0, p * self.calib.factor(1))
+
+
+class MedusaDrafter(_HeadsDrafter):
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, top_k: int = 4, max_nodes: int = 64):
+        super().__init__(top_k)
+        self.heads = heads
+        self.max_nodes = max_nodes
+        self._last: np.ndarray | None = None
+
+    def observe(self, hidden: np.ndarray, pos: int) -> None:
+        self._last = hidden[-1]
+
+    def propose(self, context: list[int], budget: Budget) -> Draft:
+        if self._last is None or budget.max_nodes <= 0:
+            return Draft()
+        t0 = time.perf_counter()
+        probs = self.heads.probs(self._last)  # [n_heads, K]
+        choices = []
+        for d in range(len(probs)):
+            top = _top(probs[d], self.top_k)
+            choices.append([(int(self.heads.vocab[d].ids[j]), self._cond(float(probs[d][j]))) for j in top])
+        nodes = _best_first(choices, min(self.max_nodes, budget.max_nodes * 2))
+        draft = select(nodes, budget, self.name)
+        self.t_draft += time.perf_counter() - t0
+        self.n_draft += 1
+        return draft
+
+
+def _best_first(choices: list[list[tuple[int, float]]], limit: int) -> list[tuple[float, int, int, float]]:
+    """Paths through per-depth choice lists in decreasing product order (each node's parent comes
+    first): the sparse tree of Medusa, built from the heads' own probabilities."""
+    out: list[tuple[float, int, int, float]] = []
+    heap = [(-choices[0][0][1], (0,), -1)]  # (-path prob, choice indices, parent node index)
+    while heap and len(out) < limit:
+        negp, path, parent = heapq.heappop(heap)
+        d, j = len(path) - 1, path[-1]
+        tok, cond = choices[d][j]
+        me = len(out)
+        out.append((-negp, parent, tok, cond))
+        if j + 1 < len(choices[d]):  # the next sibling
+            sib = choices[d][j + 1][1]
+            parent_p = -negp / cond if cond > 0 else 0.0
+            heapq.heappush(heap, (-parent_p * sib, path[:-1] + (j + 1,), parent))
+        if d + 1 < len(choices):  # the best child
+            heapq.heappush(heap, (negp * choices[d + 1][0][1], path + (0,), me))
+    return out
+
+
+class EagleDrafter(_HeadsDrafter):
+    name = "eagle"
+    needs_prompt_hidden = True
+
+    def __init__(self, head: EagleHead, top_k: int = 4, beam: int = 4, depth: int = 6, p_stop: float = 0.02,
+                 name: str = "eagle"):
+        super().__init__(top_k)
+        self.name = name  # "mtp": the same loop over an MTP module (depth 1: the token after next)
+        self.head = head
+        self.beam, self.depth, self.p_stop = beam, depth, p_stop
+        self._feats: list[np.ndarray] = []
+        self._pos0 = 0
+        self._kv_order: list[int] = []
+
+    def begin(self, prompt: list[int]) -> None:
+        super().begin(prompt)
+        self.head.reset()
+        self._feats, self._pos0 = [], 0
+
+    def observe(self, hidden: np.ndarray, pos: int) -> None:
+        if not self._feats:
+            self._pos0 = pos
+        self._feats.append(hidden)
+
+    def propose(self, context: list[int], budget: Budget) -> Draft:
+        if not self._feats:
+            return Draft()
+        t0 = time.perf_counter()
+        head = self.head
+        feats = np.concatenate(self._feats)
+        pos0, n = self._pos0, len(feats)
+        self._feats = []
+        if head.n + n > head.capacity:
+            return Draft()
+        out = head.commit(context[pos0 + 1 : pos0 + 1 + n], feats, pos0)
+        if budget.max_nodes <= 0:
+            return Draft()
+        draft = self._tree(out[-1], pos0 + n, budget)
+        self.t_draft += time.perf_counter() - t0
+        self.n_draft += 1
+        return draft
+
+    def _tree(self, root_feat: np.ndarray, root_pos: int, budget: Budget) -> Draft:
+        """EAGLE-2's dynamic tree from the predicted feature after the last committed token."""
+        head, vocab = self.head, self.head.vocab
+        self._kv_order = []  # node index of each temporary k/v row
+        nodes: list[tuple[float, int, int, float]] = []
+        feats: list[np.ndarray] = []  # predicted feature of each node
+        ks: list[np.ndarray] = []
+        vs: list[np.ndarray] = []
+        anc: list[list[int]] = []  # each node's ancestors (node indices), itself excluded
+        p = head.probs(root_feat[None])[0]
+        for j in _top(p, self.top_k):
+            c = self._cond(float(p[j]))
+            nodes.append((c, -1, int(vocab.ids[j]), c))
+            anc.append([])
+        frontier = list(range(len(nodes)))
+        need = max(budget.n_min, 1)
+        for depth in range(1, self.depth):
+            frontier = sorted(frontier, key=lambda i: -nodes[i][0])[: self.beam]
+            if not frontier or (nodes[frontier[0]][0] < self.p_stop and len(nodes) >= need):
+                break
+            # run the head on the frontier: each row attends to the cache, its ancestors and itself
+            toks = [nodes[i][2] for i in frontier]
+            parent_feat = np.stack([root_feat if nodes[i][1] < 0 else feats[nodes[i][1]] for i in frontier])
+            done = len(ks)  # nodes with k/v so far (all earlier frontiers)
+            k_extra = np.stack(ks) if ks else np.zeros((0, head.n_kv, head.hd), np.float32)
+            v_extra = np.stack(vs) if vs else np.zeros((0, head.n_kv, head.hd), np.float32)
+            kv_index = {i: r for r, i in enumerate(self._kv_order)} if ks else {}
+            mask = np.zeros((len(frontier), done + len(frontier)), bool)
+            for r, i in enumerate(frontier):
+                for a in anc[i]:
+                    mask[r, kv_index[a]] = True
+                mask[r, done + r] = True
+            pos = np.array([root_pos + depth - 1] * len(frontier))
+            out, k, v = head.layer(toks, parent_feat, pos, k_extra, v_extra, mask)
+            while len(feats) < len(nodes):
+                feats.append(None)  # type: ignore[arg-type]
+            for r, i in enumerate(frontier):
+                feats[i] = out[r]
+                ks.append(k[r])
+                vs.append(v[r])
+                self._kv_order.append(i)
+            probs = head.probs(out)
+            new = []
+            for r, i in enumerate(frontier):
+                for j in _top(probs[r], self.top_k):
+                    c = self._cond(float(probs[r][j]))
+                    nodes.append((nodes[i][0] * c, i, int(vocab.ids[j]), c))
+                    anc.append(anc[i] + [i])
+                    new.append(len(nodes) - 1)
+            frontier = new
+        return select(nodes, budget, self.name)

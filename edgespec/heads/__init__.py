@@ -1,0 +1,1 @@
+"""Heads that draft from the target's hidden states: Medusa, EAGLE, EAGLE-3, MTP."""
