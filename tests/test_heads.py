@@ -214,15 +214,16 @@ def test_mtp_round_trip(tmp_path):
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "mtp"])
 def test_shipped_heads_are_found_and_accepted(smol, kind):
     """The heads trained for SmolLM2 ship with edgespec: found for the :q4_0 variant without
-    --heads, lossless, and really accepted on a chat prompt (drafting forced)."""
+    --heads, lossless, and really accepted (drafting forced)."""
     assert kind in smol.heads_kinds()
     saved = smol.cfg
     smol.cfg = replace(saved, draft_n_min=3)
     try:
-        prompt = smol.prompt_tokens("Explain in a few sentences why the sky is blue.")
+        # a code prompt: the kind of text they were trained on reaches about 0.75 accepted per step
+        prompt = smol.prompt_tokens("Write a Python function that checks whether a string is a palindrome.")
         plain = smol.start(prompt, 96, GREEDY, "none").run().tokens
         gen = smol.start(prompt, 96, GREEDY, kind).run()
         assert gen.tokens == plain
-        assert gen.stats.n_accept / gen.stats.n_steps > 0.2, f"{kind}: {gen.stats.summary()}"
+        assert gen.stats.n_accept / gen.stats.n_steps > 0.4, f"{kind}: {gen.stats.summary()}"
     finally:
         smol.cfg = saved
