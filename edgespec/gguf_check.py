@@ -121,7 +121,10 @@ def _open(p: Path):
     its complaints straight to stderr; they are caught here and go into our one-line error."""
     lib = _ggml()
     with tempfile.TemporaryFile() as tmp:
-        sys.stderr.flush()
+        try:
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - a front end's stand-in for stderr (Textual) may not flush
+            pass
         saved = os.dup(2)
         os.dup2(tmp.fileno(), 2)
         try:

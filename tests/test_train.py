@@ -20,15 +20,20 @@ from edgespec.train.run import eagle_shape  # noqa: E402
 from edgespec.train.trainer import TrainConfig, Trainer  # noqa: E402
 
 
+# Regular text (counting), so that a few hundred tokens teach something that holds on the held-out
+# document (the last one) too.
+COUNTING = [{"id": f"count-{a}", "messages": [{"role": "user", "content": f"Count from {a} to {a + 40}, separated by commas."}]}
+            for a in (1, 50, 120, 300, 520, 700)]
+
+
 @pytest.fixture(scope="module")
 def dataset(smol, tmp_path_factory):
     folder = tmp_path_factory.mktemp("train") / "data"
-    prompts = data_mod.training_prompts(["builtin"])
-    return data_mod.collect(smol, prompts, folder, 600, max_new=64)
+    return data_mod.collect(smol, COUNTING, folder, 700, max_new=96)
 
 
 def test_data_is_the_targets_own_greedy_output_and_resumes(smol, dataset):
-    assert len(dataset.tokens) >= 600 and dataset.feats.shape == (len(dataset.tokens), 576)
+    assert len(dataset.tokens) >= 400 and dataset.feats.shape == (len(dataset.tokens), 576)
     s, e = dataset.doc(0)
     prompt = [int(t) for t in dataset.tokens[s : s + dataset.n_prompt[0]]]
     answer = [int(t) for t in dataset.tokens[s + dataset.n_prompt[0] : e]]
@@ -38,7 +43,7 @@ def test_data_is_the_targets_own_greedy_output_and_resumes(smol, dataset):
     rows = np.arange(s + dataset.n_prompt[0], e - 1)
     pred = (np.asarray(dataset.feats[rows], np.float32) @ tw.lm_head(np.arange(smol.target.n_vocab)).T).argmax(1)
     assert (pred == dataset.tokens[rows + 1]).mean() > 0.9
-    again = data_mod.collect(smol, data_mod.training_prompts(["builtin"]), dataset.folder, 600, max_new=64)
+    again = data_mod.collect(smol, COUNTING, dataset.folder, 700, max_new=96)
     assert len(again.tokens) == len(dataset.tokens)  # nothing collected twice
 
 

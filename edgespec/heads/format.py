@@ -140,15 +140,23 @@ def _value(f):
 
 
 def target_meta(model) -> dict:
-    """What a heads file records about the target `model` (an llama.Model)."""
+    """What a heads file records about the target `model` (an llama.Model); computed once per model."""
     from ..gguf_check import vocab_fingerprint
 
-    return {
+    cached = getattr(model, "_heads_meta", None)
+    if cached is not None:
+        return dict(cached)
+    meta = {
         "heads.n_embd": int(model.n_embd),
         "heads.n_vocab": model.n_vocab,
         "heads.vocab_hash": vocab_fingerprint(model.info),
         "heads.target": Path(model.path).name,
     }
+    try:
+        model._heads_meta = dict(meta)
+    except AttributeError:  # a read-only stand-in
+        pass
+    return meta
 
 
 def check_target(heads: HeadsFile, model) -> None:
