@@ -95,6 +95,26 @@ class Calibration:
                 self.acc[d] += 1.0 if i in acc else 0.0
 
 
+def top_prob(logits: np.ndarray) -> float:
+    """The softmax probability of the most likely token."""
+    return float(1.0 / np.exp(logits - logits.max()).sum())
+
+
+class TokenTimed:
+    """What drafters that draft token by token share: the time per draft token (an average the
+    cost model weighs against a target step) and the calibration of their confidence."""
+
+    t_token: float = 0.0
+    calib: Calibration
+
+    def _time_token(self, dt: float) -> None:
+        self.t_token = dt if self.t_token == 0 else 0.9 * self.t_token + 0.1 * dt
+
+    def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
+        if draft.tokens:
+            self.calib.update(draft, accepted)
+
+
 class NullDrafter:
     """Plain decoding through the same loop: every step verifies one token."""
 

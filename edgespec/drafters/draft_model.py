@@ -17,7 +17,7 @@ from ..gguf_check import compare_vocab
 from ..kv import KVSeq
 from ..llama import Model
 from ..sampling import sample, warp
-from .base import Budget, Calibration
+from .base import Budget, Calibration, TokenTimed, top_prob
 
 
 def check_vocab(target: Model, draft: Model) -> None:
@@ -36,7 +36,7 @@ def check_vocab(target: Model, draft: Model) -> None:
             raise VocabMismatchError(f"draft {name.upper()} token {b} differs from target's {a}")
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(TokenTimed):
     name = "draft"
     needs_target_hidden = False
 
@@ -94,7 +94,7 @@ class DraftModelDrafter:
             # another law than q, and the rejection rule would no longer give the target's
             # distribution (toy: q = (0.9, 0.1), p = (0.5, 0.5), "keep x if q[x] >= 0.5" commits
             # 0.545 / 0.455). The draft length is a stopping time; the tokens are never filtered.
-            top = _top_prob(logits) if q is None else float(q.max())
+            top = top_prob(logits) if q is None else float(q.max())
             self.mean_conf = 0.95 * self.mean_conf + 0.05 * top
             cond = min(1.0, top * self.calib.factor(len(tokens) + 1))
             nxt_path = (path[-1] if path else 1.0) * cond
@@ -117,17 +117,5 @@ class DraftModelDrafter:
             return Draft()
         return Draft.chain(tokens, probs or None, self.name, est)
 
-    def _time_token(self, dt: float) -> None:
-        self.t_token = dt if self.t_token == 0 else 0.9 * self.t_token + 0.1 * dt
-
-    def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
-        if draft.tokens:
-            self.calib.update(draft, accepted)
-
     def end(self) -> None:
         pass
-
-
-def _top_prob(logits: np.ndarray) -> float:
-    """The softmax probability of the most likely token."""
-    return float(1.0 / np.exp(logits - logits.max()).sum())

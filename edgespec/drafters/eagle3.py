@@ -40,7 +40,7 @@ from ..draft import Draft
 from ..errors import EdgespecError, VocabMismatchError
 from ..heads.format import HeadsError
 from ..llama import Context, ContextConfig, Model, last_log_error
-from .base import Budget, Calibration
+from .base import Budget, Calibration, TokenTimed
 from .heads import _top, select
 
 # GGUF architectures whose llama.cpp graph records layer inputs (`res->t_layer_inp[il]`, grep
@@ -275,7 +275,7 @@ def _softmax_top(logits: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarra
     return ids[top], e[top] / z
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(TokenTimed):
     """Proposes a chain (or an EAGLE-2 tree) with llama.cpp's eagle3 graph; see the module doc."""
 
     name = "eagle3"
@@ -452,13 +452,6 @@ class Eagle3Drafter:
         if len(draft) < self.n_min:
             return Draft()
         return draft
-
-    def _time_token(self, dt: float) -> None:
-        self.t_token = dt if self.t_token == 0 else 0.9 * self.t_token + 0.1 * dt
-
-    def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
-        if draft.tokens:
-            self.calib.update(draft, accepted)
 
     def end(self) -> None:
         pass

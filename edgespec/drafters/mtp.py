@@ -43,7 +43,7 @@ from ..draft import Draft
 from ..errors import EdgespecError
 from ..llama import Context, ContextConfig, last_log_error
 from ..sampling import warp
-from .base import Budget, Calibration
+from .base import Budget, Calibration, TokenTimed, top_prob
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import Engine
@@ -130,11 +130,7 @@ class MtpContext:
         self.ctx.close()
 
 
-def _top_prob(logits: np.ndarray) -> float:
-    return float(1.0 / np.exp(logits - logits.max()).sum())
-
-
-class MtpDrafter:
+class MtpDrafter(TokenTimed):
     """Drafts with the target's nextn layers (see the module docstring)."""
 
     name = "mtp"
@@ -254,7 +250,7 @@ class MtpDrafter:
         chained = False
         while len(tokens) < limit:
             logits = m.ctx.logits(row)
-            top = _top_prob(logits) if sampling.greedy else float(warp(logits, sampling).max())
+            top = top_prob(logits) if sampling.greedy else float(warp(logits, sampling).max())
             cond = min(1.0, top * self.calib.factor(len(tokens) + 1))
             nxt_path = (path[-1] if path else 1.0) * cond
             if len(tokens) >= budget.n_min:
@@ -278,13 +274,6 @@ class MtpDrafter:
         if not tokens or len(tokens) < min(budget.n_min, limit):
             return Draft()
         return Draft.chain(tokens, est=est, source=self.name)
-
-    def _time_token(self, dt: float) -> None:
-        self.t_token = dt if self.t_token == 0 else 0.9 * self.t_token + 0.1 * dt
-
-    def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
-        if draft.tokens:
-            self.calib.update(draft, accepted)
 
     def end(self) -> None:
         """Leave the target context as found: unmasked nextn rows keep its last layer from

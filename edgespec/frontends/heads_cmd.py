@@ -10,7 +10,6 @@ from ..errors import EdgespecError
 
 
 def run_convert(a) -> int:
-    from ..gguf_check import check_file  # noqa: F401  (a clear line for a bad target comes from Model)
     from ..heads.store import convert_any
     from ..llama import Model
     from ..models import resolve
