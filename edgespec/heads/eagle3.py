@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import load_config, load_state_dict
-from .format import HeadsError, target_meta
+from .format import HeadsError, finish_gguf, target_meta
 
 ARCH = "eagle3"
 
@@ -303,9 +303,4 @@ def convert_eagle3(src: str | os.PathLike, target_model, out: str | os.PathLike,
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:  # (q8_0 rows must be whole blocks of 32; llama.cpp's converter falls back to f16 too)
             w.add_tensor(name, np.ascontiguousarray(t, np.float32 if outtype == "f32" else np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, out)
-    return out
+    return finish_gguf(w, tmp, out)

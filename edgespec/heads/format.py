@@ -93,6 +93,11 @@ def write_heads(path: str | os.PathLike, heads: HeadsFile) -> Path:
         else:
             a = a.astype(np.float32)
         w.add_tensor(name, np.ascontiguousarray(a))
+    return finish_gguf(w, tmp, path)
+
+
+def finish_gguf(w, tmp: Path, path: Path) -> Path:
+    """Write a gguf.GGUFWriter's file under its temporary name and move it into place whole."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
