@@ -117,6 +117,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(bt)
     _add_sampling_args(bt)
 
+    sv = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (chat and completions, streaming, metrics)",
+        description="Serve the model over HTTP with OpenAI's API: POST /v1/chat/completions and /v1/completions "
+                    "(streamed with server-sent events or not), GET /v1/models, /health and /metrics (Prometheus). "
+                    "Requests share the continuous-batching scheduler of `edgespec batch`: up to -np sequences per "
+                    "decode, the rest queued.")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    sv.add_argument("--port", type=int, default=8080, help="port (default: %(default)s; 0: any free port)")
+    sv.add_argument("--api-key", default=None, metavar="KEY",
+                    help="require Authorization: Bearer KEY on every route but /health (default: the EDGESPEC_API_KEY "
+                         "environment variable, else no key)")
+    sv.add_argument("-np", "--parallel", type=int, default=None,
+                    help="sequences decoded together (default: 4 when --spec decodes several sequences, else 1); "
+                         "-c is the context of each")
+    sv.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=0,
+                    help="max_tokens for requests that do not set it (default: 0, up to the end of the context)")
+    sv.add_argument("--max-queue", type=int, default=256,
+                    help="requests that may wait for a slot; more get a 503 (default: %(default)s)")
+    sv.add_argument("-q", "--quiet", action="store_true", help="no progress while the model loads")
+    _add_model_args(sv)
+    _add_spec_args(sv)
+    _add_sampling_args(sv)
+
     pl = sub.add_parser("pull", help="fetch a catalog model (or variant) into the cache")
     pl.add_argument("name", help="catalog name, optionally name:q4_0|q4_1|q8_0|f16")
 
@@ -232,7 +255,7 @@ def _sampling(a):
 
 
 def _validate(a) -> None:
-    if getattr(a, "n_predict", 1) < 1:
+    if getattr(a, "n_predict", 1) is not None and getattr(a, "n_predict", 1) < 1:
         raise EdgespecError("-n must be at least 1")
     if a.n_ctx < 16:
         raise EdgespecError("-c must be at least 16")
@@ -394,6 +417,27 @@ def cmd_batch(a) -> int:
     return run_batch(a, cfg)
 
 
+def cmd_serve(a) -> int:
+    from .server.command import run_serve
+
+    if a.n_predict == 0:
+        a.n_predict = None  # up to the context: filled in once the engine knows it
+    _validate(a)
+    m = methods.get(a.spec)
+    if a.parallel is None:
+        a.parallel = 4 if m.multi_sequence else 1
+    if not 1 <= a.parallel <= 64:
+        raise EdgespecError("-np must be between 1 and 64")
+    if a.parallel > 1 and not m.multi_sequence:
+        raise EdgespecError(f"--spec {a.spec} decodes one sequence at a time: use -np 1, or one of "
+                            f"{', '.join(methods.multi_sequence())}")
+    if not 0 <= a.port <= 65535:
+        raise EdgespecError("--port must be between 0 and 65535")
+    if a.max_queue < 0:
+        raise EdgespecError("--max-queue must be at least 0")
+    return run_serve(a, _engine_config(a))
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -453,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 2
     handlers = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "models": cmd_models, "quantize": cmd_quantize, "bench": cmd_bench,
-                "batch": cmd_batch, "convert": cmd_convert, "train": cmd_train}
+                "batch": cmd_batch, "serve": cmd_serve, "convert": cmd_convert, "train": cmd_train}
     try:
         return handlers[a.cmd](a)
     except EdgespecError as e:

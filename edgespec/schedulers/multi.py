@@ -122,18 +122,23 @@ class MultiDecoder:
 
     def run(self, jobs: Iterable[Job]) -> Iterator[tuple[str, Any, Any]]:
         """Yield ("step", gen, StepEvent), ("done", gen, None) and ("error", job, EdgespecError)
-        as they happen. Call `gen.stop()` on a step to end that generation; close the iterator to
+        as they happen. `jobs` may yield None for "nothing waiting now" (a server's queue). Call `gen.stop()` on a step to end that generation; close the iterator to
         abandon the rest (slots are freed)."""
         source = iter(jobs)
         slots: list[SeqGeneration | None] = [None] * self.n_parallel
         exhausted = False
+        end = object()
         try:
             while True:
+                idle = False  # the source had nothing waiting (it yielded None)
                 for i in range(self.n_parallel):
-                    while slots[i] is None and not exhausted:
-                        job = next(source, None)
-                        if job is None:
+                    while slots[i] is None and not exhausted and not idle:
+                        job = next(source, end)
+                        if job is end:
                             exhausted = True
+                            break
+                        if job is None:
+                            idle = True
                             break
                         try:
                             g, ev = self._admit(job, i)
@@ -149,7 +154,9 @@ class MultiDecoder:
                             slots[i] = g
                 active = [g for g in slots if g is not None]
                 if not active:
-                    return
+                    if exhausted:
+                        return
+                    continue  # an endless source (a server) blocks in `next` until a job comes
                 try:
                     steps = self._step(active)
                 except Exception as e:  # a failed decode fails the requests it carried, not the batch

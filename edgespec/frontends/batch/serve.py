@@ -1,11 +1,15 @@
 """Serving requests through the engine: one at a time (every method, a shared lookahead trie) or
-several sequences per decode (`-np N`), each result handed on the moment it is complete."""
+several sequences per decode (`-np N`), each result handed on the moment it is complete.
+
+The one serving loop of `edgespec batch` (a list of requests) and `edgespec serve` (an endless
+source that yields None when nothing is waiting, text streamed through `on_text`, a request's
+`cancelled` flag stopping its sequence after the current step)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from ... import methods
 from ...errors import EdgespecError
@@ -24,6 +28,7 @@ class Totals:
     stats: Stats = field(default_factory=Stats)
     wall: float = 0.0
     outputs: dict = field(default_factory=dict)  # custom_id -> generated token ids
+    active: int = 0  # requests being decoded now (a server's source blocks only when none are)
 
     def add(self, st: Stats) -> None:
         self.ok += 1
@@ -57,14 +62,17 @@ class Totals:
         }
 
 
-def _finish_reason(st: Stats, text: TextStream) -> str:
+def _finish_reason(st: Stats, text: TextStream, req: Request) -> str:
+    if req.cancelled:
+        return "cancelled"
     return "stop" if text.hit or st.finish_reason == "stop" else "length"
 
 
-def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit, on_step=None,
-                 quiet: bool = False, totals: Totals | None = None) -> Totals:
-    """Serve `reqs`; `emit(req, record)` receives every result as soon as it is complete.
-    `totals` (filled as results come) keeps the count when the run is interrupted."""
+def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel: int, emit, on_step=None,
+                 quiet: bool = False, totals: Totals | None = None, on_text=None) -> Totals:
+    """Serve `reqs` (None items: nothing is waiting now); `emit(req, record)` receives every
+    result as soon as it is complete, `on_text(req, piece)` the text as it is final (stop strings
+    cut). `totals` (filled as results come) keeps the count when the run is interrupted."""
     totals = totals if totals is not None else Totals()
     model_name = engine.cfg.model
     t0 = time.perf_counter()
@@ -78,6 +86,8 @@ def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit
         if req.error:
             fail(req, req.error)
             return None
+        if req.tokens is not None:
+            return req.tokens
         try:
             if req.url == CHAT_URL:
                 return engine.prompt_tokens(messages=req.messages)
@@ -91,41 +101,54 @@ def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit
         return None
 
     def finished(req: Request, gen, text: TextStream) -> None:
+        rest = text.flush()
+        if on_text and rest:
+            on_text(req, rest)
         totals.add(gen.stats)
         totals.outputs[req.custom_id] = list(gen.tokens)
-        emit(req, ok_record(req, text.final(), _finish_reason(gen.stats, text), gen.stats, model_name, method,
+        emit(req, ok_record(req, text.final(), _finish_reason(gen.stats, text, req), gen.stats, model_name, method,
                             gen.drafter_name))
 
     try:
         if n_parallel <= 1:
-            _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step)
+            _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, on_text, totals)
             return totals
         from ...schedulers.multi import Job, MultiDecoder
 
         dec = MultiDecoder(engine, n_parallel, method, quiet=quiet)
         texts: dict[int, TextStream] = {}
 
-        def jobs() -> Iterator[Job]:
+        def jobs() -> Iterator[Job | None]:
             for req in reqs:
+                if req is None:
+                    yield None  # nothing waiting: the decoder goes on with what it has
+                    continue
                 prompt = tokens_of(req)
                 if prompt is not None:
+                    totals.active += 1
                     yield Job(prompt, req.max_tokens, req.sampling, tag=req)
 
         events = dec.run(jobs())
         try:
             for kind, g, x in events:
                 if kind == "step":
+                    req = g.job.tag
                     text = texts.get(id(g))
                     if text is None:
-                        text = texts[id(g)] = TextStream(engine.target, g.job.tag.stop)
+                        text = texts[id(g)] = TextStream(engine.target, req.stop)
                     if on_step:
                         on_step(x)
-                    text.feed(x.tokens)
-                    if text.hit:
+                    piece = text.feed(x.tokens)
+                    if on_text and piece:
+                        on_text(req, piece)
+                    if text.hit or req.cancelled:
                         g.stop()
                 elif kind == "done":
+                    totals.active -= 1
                     finished(g.job.tag, g, texts.pop(id(g)))
                 else:
+                    totals.active -= 1
+                    texts.pop(id(g), None)
                     fail(g.tag, failure(x))
         finally:
             events.close()  # frees the slots (their KV cells) before the context goes
@@ -135,7 +158,7 @@ def run_requests(engine, reqs: list[Request], method: str, n_parallel: int, emit
         totals.wall = time.perf_counter() - t0
 
 
-def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step) -> None:
+def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, on_text, totals) -> None:
     """`-np 1`: every method, each request a generation of its own; lookahead requests (and
     auto's) share one trie, so similar requests draft from each other."""
     from ...drafters.lookahead import SharedLookahead
@@ -144,9 +167,12 @@ def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step) 
     shared = SharedLookahead(engine.cfg.lookahead_cache) if m.trees else None
     try:
         for req in reqs:
+            if req is None:
+                continue
             prompt = tokens_of(req)
             if prompt is None:
                 continue
+            totals.active = 1
             try:
                 drafter = None
                 if shared is not None:
@@ -159,14 +185,18 @@ def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step) 
                     for ev in steps:
                         if on_step:
                             on_step(ev)
-                        text.feed(ev.tokens)
-                        if text.hit:
+                        piece = text.feed(ev.tokens)
+                        if on_text and piece:
+                            on_text(req, piece)
+                        if text.hit or req.cancelled:
                             break
                 finally:
                     steps.close()
             except Exception as e:  # one request never ends the batch: it gets its error line
+                totals.active = 0
                 fail(req, failure(e))
                 continue
+            totals.active = 0
             finished(req, gen, text)
     finally:
         if shared is not None:

@@ -1,0 +1,110 @@
+"""The `edgespec serve` command: load the engine, bind the socket (one clear line when the
+address is taken), start the engine's thread and uvicorn; Ctrl+C or SIGTERM stops taking
+requests, cancels what is decoding and exits."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+
+from ...errors import EdgespecError
+from ...sampling import make_sampling
+from ..batch.requests import Defaults
+
+log = logging.getLogger("edgespec.serve")
+
+API_KEY_ENV = "EDGESPEC_API_KEY"
+
+
+def model_name(cfg) -> str:
+    """The id /v1/models reports: the catalog name, or a file's stem."""
+    m = cfg.model
+    return os.path.splitext(os.path.basename(m))[0] if m.endswith(".gguf") else m
+
+
+def bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise EdgespecError(f"cannot resolve --host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise EdgespecError(f"cannot listen on {host}:{port}: {e.strerror} (choose another --port)") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_serve(a, cfg) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        raise EdgespecError("edgespec serve needs uvicorn and starlette: pip install uvicorn starlette") from None
+    from ...engine import Engine
+    from .app import Server
+    from .worker import Worker
+
+    api_key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    sock = bind(a.host, a.port)  # before loading: a taken port fails at once
+    host, port = sock.getsockname()[:2]
+    try:
+        engine = Engine(cfg, quiet=a.quiet)
+    except BaseException:
+        sock.close()
+        raise
+    n_par = a.parallel
+    if n_par > engine.cost.max_exact_rows:
+        log.warning(f"{engine.target.path.name}: batches of more than {engine.cost.max_exact_rows} rows are not "
+                    f"bit-exact with this build: -np {n_par} is lowered to {engine.cost.max_exact_rows}")
+        n_par = engine.cost.max_exact_rows
+    max_tokens = a.n_predict if a.n_predict else engine.n_ctx_seq
+    defaults = Defaults(max_tokens, make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed))
+    worker = Worker(engine, a.spec, n_par, a.max_queue)
+    name = model_name(cfg)
+    server = Server(engine, worker, name, defaults, api_key)
+    worker.start()
+    shown = f"[{host}]" if ":" in host else host
+    log.info(f"serving {name} at http://{shown}:{port}/v1 (--spec {a.spec}, -np {n_par}, "
+             f"{engine.n_ctx_seq} tokens of context per sequence{', API key required' if api_key else ''}); "
+             "Ctrl+C stops")
+    if not is_loopback(a.host) and not api_key:
+        log.warning(f"listening on {a.host} without --api-key: anyone who can reach port {port} can use the model")
+    config = uvicorn.Config(server.app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
+                            lifespan="off")
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
+    # handlers it found: these make both a KeyboardInterrupt here, and the stop a clean one.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        worker.close()
+        sock.close()
+        if not worker.alive:  # else a decode still runs: the process exit frees the model
+            engine.close()
+    print("edgespec: server stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,158 @@
+"""The engine's thread: requests queued by the HTTP side are served by `run_requests`, the loop
+of `edgespec batch` (up to `-np` sequences per decode, the rest waiting; with `-np 1` one at a
+time with every method). Text and results go back to each request's `Sink`, on the event loop
+that waits for them; a request whose client went away is marked `cancelled` and its sequence
+stops after the current step, freeing the slot."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from ..batch.requests import Request
+from ..batch.serve import Totals, run_requests
+from ..schema import RequestError
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class Sink:
+    """One request's channel from the engine's thread to its handler on the event loop: items
+    ("text", str), ("done", record) — the batch record, ok or error."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.t_arrival = time.monotonic()
+        self.t_first: float | None = None
+
+    def put(self, item: tuple[str, Any]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server is going down
+            pass
+
+
+class Worker:
+    def __init__(self, engine, method: str, n_parallel: int, max_queue: int = 256):
+        self.engine = engine
+        self.method = method
+        self.n_parallel = n_parallel
+        self.max_queue = max_queue
+        self.totals = Totals()
+        self.metrics = Metrics(self.queue_length, lambda: self.totals.active)
+        self._q: queue.Queue = queue.Queue()
+        self._inflight: dict[int, Request] = {}  # submitted, not yet answered
+        self._lock = threading.Lock()
+        self._closing = False
+        self.error: str | None = None  # set if the serving loop itself died
+        self._thread = threading.Thread(target=self._main, name="edgespec-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def queue_length(self) -> int:
+        return self._q.qsize()
+
+    def submit(self, req: Request) -> None:
+        """Queue a validated request (req.sink set); a 503 when the queue is full or the loop died."""
+        if self.error is not None:
+            raise RequestError(f"the engine stopped: {self.error}", "server_error", 503)
+        if self._closing:
+            raise RequestError("the server is shutting down", "server_error", 503)
+        if self._q.qsize() >= self.max_queue:
+            raise RequestError(f"{self.max_queue} requests are waiting already; try again later (--max-queue)",
+                               "server_busy", 503)
+        with self._lock:
+            self._inflight[id(req)] = req
+        self._q.put(req)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, cancel what runs, and end the engine's thread."""
+        self._closing = True
+        with self._lock:
+            for req in self._inflight.values():  # sequences decoding stop after their current step
+                req.cancelled = True
+        while True:  # queued requests are answered: the server is going down
+            try:
+                req = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if req is not _STOP:
+                req.sink.put(("done", _error(req, RequestError("the server is shutting down", "server_error", 503))))
+        self._q.put(_STOP)
+        self._thread.join(timeout)
+
+    # -- the engine's thread --------------------------------------------------------------
+
+    def _source(self):
+        """Requests as they come: blocks while nothing is decoding, else None when none waits."""
+        while True:
+            try:
+                if self.totals.active == 0:
+                    req = self._q.get(timeout=0.5)
+                else:
+                    req = self._q.get_nowait()
+            except queue.Empty:
+                yield None
+                continue
+            if req is _STOP:
+                return
+            if req.cancelled:  # the client left while it waited
+                self.metrics.cancelled.inc()
+                continue
+            yield req
+
+    def _main(self) -> None:
+        try:
+            run_requests(self.engine, self._source(), self.method, self.n_parallel, self._emit,
+                         on_step=self._on_step, quiet=True, totals=self.totals, on_text=self._on_text)
+        except BaseException as e:  # pragma: no cover - a bug in the loop: say so on every request
+            self.error = f"{type(e).__name__}: {e}"
+            log.error("the serving loop stopped: %s", self.error)
+            self._closing = True
+
+    def _on_step(self, ev) -> None:
+        self.metrics.step(len(ev.tokens))
+
+    def _on_text(self, req: Request, piece: str) -> None:
+        s = req.sink
+        if s.t_first is None:
+            s.t_first = time.monotonic()
+            self.metrics.ttft.observe(s.t_first - s.t_arrival)
+        s.put(("text", piece))
+
+    def _emit(self, req: Request, rec: dict) -> None:
+        with self._lock:
+            self._inflight.pop(id(req), None)
+        s = req.sink
+        now = time.monotonic()
+        if rec["error"] is None:
+            body = rec["response"]["body"]
+            spec, usage = body["speculative"], body["usage"]
+            self.metrics.finished(spec["drafter"], usage["prompt_tokens"], usage["completion_tokens"],
+                                  spec["drafted_tokens"], spec["accepted_tokens"], spec["steps"])
+            if req.cancelled:
+                self.metrics.cancelled.inc()
+            else:
+                if s.t_first is None:  # an empty reply: its first token still came
+                    self.metrics.ttft.observe(now - s.t_arrival)
+                self.metrics.duration.observe(now - s.t_arrival)
+        s.put(("done", rec))
+
+
+def _error(req: Request, err: RequestError) -> dict:
+    from ..batch.output import error_record
+
+    return error_record(req, err)
