@@ -38,6 +38,10 @@ class CostModel:
     # (see probe_exact_rows); verification never uses more rows, so greedy stays exact.
     max_exact_rows: int = 1 << 30
     online: bool = True  # corrected by measured decodes; off for a curve that stands for another machine
+    # Largest |logit difference| between batched rows and one-row decodes over the probe's batch
+    # sizes (0.0: exact at every size; None: not measured): the near-tie margin within which
+    # greedy output may differ under the `batched` exactness policy.
+    batch_logit_diff: float | None = None
 
     def __post_init__(self) -> None:
         # Online correction, measured/predicted, for one-row and many-row decodes: a curve
@@ -96,17 +100,56 @@ class CostModel:
     def to_dict(self) -> dict:
         return {"k": list(self.ks), "ms": [round(t * 1e3, 3) for t in self.ts],
                 "attn_us_per_row_per_token": round(self.attn * 1e6, 5), "n0": self.n0,
-                "max_exact_rows": self.max_exact_rows}
+                "max_exact_rows": self.max_exact_rows, "batch_logit_diff": self.batch_logit_diff}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         return cls(tuple(d["k"]), tuple(t / 1e3 for t in d["ms"]), d["attn_us_per_row_per_token"] / 1e6, d["n0"],
-                   d["max_exact_rows"])
+                   d["max_exact_rows"], batch_logit_diff=d.get("batch_logit_diff"))
 
 
-def flat(seconds: float = 0.01, max_exact_rows: int = 1 << 30) -> CostModel:
+def flat(seconds: float = 0.01, max_exact_rows: int = 1 << 30, batch_logit_diff: float | None = None) -> CostModel:
     """A machine where verifying k tokens costs as much as one (a fast GPU), for tests."""
-    return CostModel(KS, tuple(seconds for _ in KS), 0.0, 32, max_exact_rows, online=False)
+    return CostModel(KS, tuple(seconds for _ in KS), 0.0, 32, max_exact_rows, online=False,
+                     batch_logit_diff=batch_logit_diff)
+
+
+# -- the exactness policy -----------------------------------------------------------------
+
+POLICIES = ("auto", "strict", "batched")
+BATCHED_ROWS = 64  # rows per verification under `batched` (the cost curve decides how many pay)
+MIN_STRICT_ROWS = 4  # on a GPU, `auto` keeps `strict` only when the probe leaves this many rows
+
+
+def resolve_policy(requested: str, max_exact_rows: int, gpu: bool) -> str:
+    """`strict`: never verify more rows than the probe found bit-exact, so greedy output is
+    identical to plain decoding. `batched`: verify as many rows as pay, taking the backend's
+    batched numerics as the model's. `auto`: strict on a CPU (its kernels agree up to 32 rows for
+    Q4_0/Q8_0); on a GPU strict only where the probe leaves at least MIN_STRICT_ROWS rows."""
+    if requested in ("strict", "batched"):
+        return requested
+    return "batched" if gpu and max_exact_rows < MIN_STRICT_ROWS else "strict"
+
+
+def verify_rows(cost: CostModel, policy: str) -> int:
+    """The most rows one verification may decode under `policy`."""
+    return cost.max_exact_rows if policy == "strict" else max(cost.max_exact_rows, BATCHED_ROWS)
+
+
+def guarantee(policy: str, cost: CostModel) -> str:
+    """What the policy in force promises, in words (stats, bench report, doctor, UI)."""
+    if policy == "strict":
+        if cost.max_exact_rows <= 1:
+            return ("greedy output identical to plain decoding; no batch is bit-exact on this backend, so nothing "
+                    "is verified beyond one row: speculation is off (--exactness batched turns it on)")
+        return (f"greedy output identical to plain decoding token for token, sampled output the target's "
+                f"distribution exactly (at most {cost.max_exact_rows} rows per verification, the largest batch "
+                "bit-identical to one-row decodes here)")
+    diff = cost.batch_logit_diff
+    margin = f"{diff:.3g}" if diff is not None else "not measured"
+    return ("sampled output follows the target's distribution as this backend computes it in batches "
+            "(rejection rule); greedy output equals plain decoding except at near-ties, where the top two "
+            f"logits are closer than the measured batch difference (max |delta logit| {margin})")
 
 
 def _key(ctx: Context, n_gpu_layers: int) -> str:
@@ -153,25 +196,29 @@ def measure(ctx: Context, kv, reps: int = 5) -> CostModel:
     # Costs are monotone in k; noise on a shared machine is not.
     for i in range(1, len(ts)):
         ts[i] = max(ts[i], ts[i - 1])
-    return CostModel(ks, tuple(ts), attn, prefix, probe_exact_rows(ctx, kv))
+    limit, diff = probe_exactness(ctx, kv)
+    return CostModel(ks, tuple(ts), attn, prefix, limit, batch_logit_diff=diff)
 
 
 PROBE_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 
 
-def probe_exact_rows(ctx: Context, kv, seed: int = 1234) -> int:
-    """The largest batch size whose every row's logits equal those of one-row decodes.
+def probe_exactness(ctx: Context, kv, seed: int = 1234) -> tuple[int, float]:
+    """The largest batch size whose every row's logits equal those of one-row decodes, and the
+    largest |difference| seen at any probed size.
 
     Some CPU kernels process several rows together with another summation order (Q4_K weights
-    go through 4-row GEMM tiles here), so a batched verification can differ from plain decoding
-    in the last bits and flip a near-tie. Greedy speculation is only exact up to this size.
+    go through 4-row GEMM tiles here), and GPU backends typically run one row through
+    matrix-vector kernels and batches through matrix-matrix ones, so a batched verification can
+    differ from plain decoding in the last bits and flip a near-tie. Greedy speculation is only
+    bit-exact up to the first size; the difference is the near-tie margin beyond it.
     """
     import numpy as np
 
     rng = np.random.default_rng(seed)
     n_vocab = ctx.model.n_vocab
     prefix_len = min(24, ctx.n_ctx // 4)
-    limit = 1
+    limit, worst, exact = 1, 0.0, True
     for b in PROBE_ROWS:
         if prefix_len + b > min(ctx.n_ctx, ctx.n_batch):
             break
@@ -181,30 +228,43 @@ def probe_exact_rows(ctx: Context, kv, seed: int = 1234) -> int:
         kv.extend(toks[prefix_len:], all_rows=True)
         batched = [ctx.logits(i).copy() for i in range(b)]
         kv.truncate(prefix_len)
-        same = all(np.array_equal(ctx.logits(kv.extend([t])), batched[i]) for i, t in enumerate(toks[prefix_len:]))
-        if not same:
-            break
-        limit = b
+        diff = max(float(np.max(np.abs(ctx.logits(kv.extend([t])) - batched[i])))
+                   for i, t in enumerate(toks[prefix_len:]))
+        worst = max(worst, diff)
+        exact = exact and diff == 0.0
+        if exact:
+            limit = b
     kv.reset()
-    return limit
+    return limit, worst
+
+
+def probe_exact_rows(ctx: Context, kv, seed: int = 1234) -> int:
+    """The largest batch size bit-identical to one-row decodes (see `probe_exactness`)."""
+    return probe_exactness(ctx, kv, seed)[0]
 
 
 def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layers: int = 0,
                     quiet: bool = True) -> CostModel:
     key = _key(ctx, n_gpu_layers)
     data: dict = {}
+    cm = None
     try:
         with open(cache_file) as f:
             data = json.load(f)
         rec = data.get(key)
         if rec:
-            return CostModel.from_dict(rec)
+            cm = CostModel.from_dict(rec)
+            if "batch_logit_diff" in rec:
+                return cm
     except (OSError, ValueError, KeyError, TypeError):
-        data = {}
-    if not quiet:
-        log.info("measuring what verifying k tokens costs on this machine (%s, %d threads; once, then cached)",
-                 ctx.model.path.name, ctx.n_threads, extra={"progress": True})
-    cm = measure(ctx, kv)
+        data, cm = {}, None
+    if cm is not None:  # a record from before the probe measured its near-tie margin
+        cm.max_exact_rows, cm.batch_logit_diff = probe_exactness(ctx, kv)
+    else:
+        if not quiet:
+            log.info("measuring what verifying k tokens costs on this machine (%s, %d threads; once, then cached)",
+                     ctx.model.path.name, ctx.n_threads, extra={"progress": True})
+        cm = measure(ctx, kv)
     data[key] = cm.to_dict()
     try:
         os.makedirs(os.path.dirname(cache_file), exist_ok=True)

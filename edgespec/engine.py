@@ -41,6 +41,7 @@ class EngineConfig:
     kv_type: str = "q8_0"
     pearl_gamma: int = 4
     heads: str | None = None  # a heads file (--heads): Medusa or EAGLE
+    exactness: str = "auto"  # auto | strict | batched (see costmodel.resolve_policy)
 
 
 class Engine:
@@ -72,11 +73,61 @@ class Engine:
         self._heads = None  # (path, runtime) once loaded
         self._kinds: set[str] | None = None
         self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet)
+        self._gpu = None  # whether the target runs on a GPU here (asked once, lazily)
+        self._note_exactness(quiet)
         if cfg.kv_type != "q8_0":
             log.warning("with an %s KV cache, llama.cpp takes other attention kernels for one row and for many "
                         "on a CPU (past 512 cells): verified batches may differ from plain decoding in the last bits, so greedy "
                         "speculative output can differ from plain at near-ties (the q8_0 default keeps it exact)",
                         cfg.kv_type)
+
+    # -- exactness -------------------------------------------------------------------------
+
+    @property
+    def on_gpu(self) -> bool:
+        if self._gpu is None:
+            from .backend import on_gpu
+
+            self._gpu = on_gpu(self.cfg.n_gpu_layers)
+        return self._gpu
+
+    @property
+    def policy(self) -> str:
+        """The exactness policy in force (strict or batched), from --exactness and the probe."""
+        from .costmodel import resolve_policy
+
+        return resolve_policy(self.cfg.exactness, self.cost.max_exact_rows, self.on_gpu)
+
+    @property
+    def max_verify_rows(self) -> int:
+        """The most rows one verification decodes under the policy in force."""
+        from .costmodel import verify_rows
+
+        return verify_rows(self.cost, self.policy)
+
+    def exactness_info(self) -> dict:
+        """The probe's result and the policy in force, as stats, bench and the UI show them."""
+        from .costmodel import guarantee
+
+        c, policy = self.cost, self.policy
+        return {"policy": policy, "requested": self.cfg.exactness, "backend": "gpu" if self.on_gpu else "cpu",
+                "max_exact_rows": c.max_exact_rows, "max_verify_rows": self.max_verify_rows,
+                "batch_logit_diff": c.batch_logit_diff, "guarantee": guarantee(policy, c)}
+
+    def _note_exactness(self, quiet: bool) -> None:
+        c, policy = self.cost, self.policy
+        name = self.target.path.name
+        if policy == "batched" and c.max_exact_rows < 32:
+            log.warning("%s: batched logits differ from one-row decodes on this backend (bit-exact up to %d rows, "
+                        "max |delta logit| %s): verifying in batches anyway (--exactness %s): %s; --exactness strict "
+                        "keeps greedy output bit-identical instead", name, c.max_exact_rows,
+                        "?" if c.batch_logit_diff is None else f"{c.batch_logit_diff:.3g}", self.cfg.exactness,
+                        "sampled output follows the distribution as this backend computes it, greedy output can "
+                        "differ from plain decoding at near-ties")
+        elif policy == "strict" and c.max_exact_rows <= 1:
+            log.warning("%s: no batch of rows is bit-exact against one-row decodes on this backend, so strict "
+                        "exactness leaves nothing to verify: speculation is off (--exactness batched turns it on, "
+                        "guaranteeing the distribution, not bit-identical greedy output)", name)
 
     # -- prompts --------------------------------------------------------------------------
 

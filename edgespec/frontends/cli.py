@@ -27,6 +27,11 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smo
     g.add_argument("-ngld", "--n-gpu-layers-draft", dest="ngld", type=int, default=0, help="draft layers offloaded to the GPU (default: 0)")
     g.add_argument("--kv-type", default="q8_0", choices=["q8_0", "f16", "bf16"],
                    help="KV cache type (default: %(default)s, which keeps greedy speculation bit-exact on a CPU)")
+    g.add_argument("--exactness", default="auto", choices=["auto", "strict", "batched"],
+                   help="strict: verify only as many rows as the load probe found bit-identical to one-row decodes "
+                        "(greedy output identical to plain); batched: verify in batches anyway, taking the backend's "
+                        "batched numerics as the model's (the distribution exact, greedy equal except at near-ties); "
+                        "auto: strict on a CPU, batched on a GPU whose batches are exact below 4 rows (default: auto)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser, default_spec: str = "auto") -> None:
@@ -140,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(sv)
     _add_sampling_args(sv)
 
+    dr = sub.add_parser("doctor", help="what llama.cpp runs on here: backend, devices, offload, cost curve, exactness",
+                        description="Report the backend in use (devices, GPU offload and RPC support, offloaded "
+                                    "layers), the measured cost of verifying k tokens, the exactness probe and the "
+                                    "policy in force, for a model and its flags.")
+    dr.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_model_args(dr)
+    dr.set_defaults(draft_n_max=16, draft_n_min=0, draft_p_min=0.0)
+
     pl = sub.add_parser("pull", help="fetch a catalog model (or variant) into the cache")
     pl.add_argument("name", help="catalog name, optionally name:q4_0|q4_1|q8_0|f16")
 
@@ -220,6 +233,7 @@ def _engine_config(a):
         model=a.model, draft=a.draft, n_ctx=a.n_ctx, threads=a.threads, threads_draft=a.threads_draft,
         n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngld, draft_n_max=a.draft_n_max, draft_n_min=a.draft_n_min,
         draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=a.kv_type,
+        exactness=a.exactness,
         # chains need one sequence; only trees borrow more (and a multi-sequence cache costs a little)
         max_branches=8 if methods.get(getattr(a, "spec", "auto")).trees else 1,
         pearl_gamma=getattr(a, "pearl_gamma", 4), heads=getattr(a, "heads", None),
@@ -304,7 +318,8 @@ def cmd_run(a) -> int:
         out = {
             "text": engine.target.detokenize(gen.tokens),
             "token_ids": gen.tokens,
-            "stats": {"method": a.spec, "drafter": used, **st.to_dict(), "cost_ms": engine.cost.to_dict()},
+            "stats": {"method": a.spec, "drafter": used, **st.to_dict(), "cost_ms": engine.cost.to_dict(),
+                      "exactness": engine.exactness_info()},
         }
         print(json.dumps(out, ensure_ascii=False))
     else:
@@ -351,6 +366,13 @@ def _chat_lines(session) -> int:
         print("", flush=True)
         print(f"[{session.method}] {reply.stats.summary()}", file=sys.stderr)
     return 0
+
+
+def cmd_doctor(a) -> int:
+    from .doctor import run_doctor
+
+    _validate(a)
+    return run_doctor(a, _engine_config(a))
 
 
 def cmd_pull(a) -> int:
@@ -497,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 2
     handlers = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "models": cmd_models, "quantize": cmd_quantize, "bench": cmd_bench,
-                "batch": cmd_batch, "serve": cmd_serve, "convert": cmd_convert, "train": cmd_train}
+                "batch": cmd_batch, "serve": cmd_serve, "doctor": cmd_doctor, "convert": cmd_convert, "train": cmd_train}
     try:
         return handlers[a.cmd](a)
     except EdgespecError as e:

@@ -7,7 +7,8 @@ share one Lookahead trie (and its calibration), so similar requests draft from e
 Exactness. The context keeps one KV stream per sequence (not a unified cache): a sequence's
 cells then stay in position order whatever the others do, and with a q8_0 KV cache llama.cpp's
 CPU attention visits exactly the same cells in the same order as when the sequence is decoded
-alone. Weights see at most `max_exact_rows` rows per decode (the engine's probe), so every row's
+alone. Weights see at most `max_exact_rows` rows per decode (the engine's probe; under the `batched`
+exactness policy more, see costmodel.resolve_policy), so every row's
 logits equal a one-row decode's and greedy output equals plain greedy decoding token for token.
 llama.cpp computes a multi-stream decode in one pass only when every sequence brings the same
 number of rows (otherwise in several passes, see `split_passes`), so each step weighs one draft
@@ -24,7 +25,7 @@ from typing import Any, Iterable, Iterator
 
 
 from .. import methods
-from ..costmodel import CostModel
+from ..costmodel import CostModel, verify_rows
 from ..draft import Draft
 from ..drafters.base import Budget, NullDrafter
 from ..errors import EdgespecError
@@ -96,7 +97,8 @@ class MultiDecoder:
         self.engine = engine
         self.method = method
         self.cost: CostModel = engine.cost
-        exact = self.cost.max_exact_rows
+        self.policy = engine.policy
+        exact = self.rows
         if n_parallel > exact:
             if not quiet:
                 log.warning(f"{engine.target.path.name}: batches of more than {exact} rows are not bit-exact "
@@ -108,6 +110,11 @@ class MultiDecoder:
         self.max_draft = 16
         self.shared = SharedLookahead(engine.cfg.lookahead_cache) if m.trees else None
         self._zero_steps = 0
+
+    @property
+    def rows(self) -> int:
+        """The most rows of one decode, all sequences together (the exactness policy's limit)."""
+        return verify_rows(self.cost, self.policy)
 
     def close(self) -> None:
         if self.shared is not None:
@@ -212,7 +219,7 @@ class MultiDecoder:
             if not active:
                 return events
             n, rooms = len(active), [r for r in rooms if r >= 0]
-        kmax = min(self.max_draft, self.cost.max_exact_rows - n, min(rooms))
+        kmax = min(self.max_draft, self.rows - n, min(rooms))
         drafts, paths, t_drafts = [], [], []
         for g in active:
             t1 = time.perf_counter()
@@ -267,7 +274,7 @@ class MultiDecoder:
             return zero
         seqs = [g.kv.seq for g in active]
         past = [g.kv.n for g in active]
-        limit = self.cost.max_exact_rows  # rows of one decode, all sequences together
+        limit = self.rows  # rows of one decode, all sequences together
 
         def rate(lens: list[int]) -> float:
             gain = n + sum(sum(p[:k]) for p, k in zip(paths, lens))

@@ -174,7 +174,7 @@ class PearlGeneration(Lifecycle):
         if eng.draft_ctx is None:
             raise EdgespecError("--spec pearl needs a draft model: pass -md MODEL")
         kv = eng.kv
-        gamma = max(1, min(self.gamma, eng.cost.max_exact_rows - 1))
+        gamma = max(1, min(self.gamma, eng.max_verify_rows - 1))
         first, rng = self._prologue(kv)
         worker = DraftWorker(eng.draft_kv, cfg, cfg.seed)
         worker.start()

@@ -58,7 +58,7 @@ class Generation(Lifecycle):
                     st.finish_reason = "context"
                     return
                 budget = Budget(
-                    max_nodes=min(room, ctx.n_batch, eng.cost.max_exact_rows) - len(pending),
+                    max_nodes=min(room, ctx.n_batch, eng.max_verify_rows) - len(pending),
                     max_branches=ctx.cfg.n_seq_max,
                     fixed_rows=len(pending),
                     cost=eng.cost,

@@ -9,6 +9,12 @@ def render_markdown(report: dict) -> str:
     c = report["ceiling"]
     lines = [
         f"Oracle ceiling on this machine: {c['speedup']:.2f}x (draft {c['draft_len']}, {c['n_past']} tokens of context).",
+    ]
+    ex = report.get("exactness")
+    if ex:
+        lines.append(f"Exactness: {ex['policy']} on the {ex['backend']} (bit-exact batches up to {ex['max_exact_rows']} "
+                     f"rows, verifying up to {ex['max_verify_rows']}): {ex['guarantee']}.")
+    lines += [
         "",
         "| method | category | prompts | tok/s | speedup (min-max) | vs own plain | efficiency | acceptance | "
         "mean acc. len | acc. by position | draft / verify time | draft ms/token (plain step) | output = none |",

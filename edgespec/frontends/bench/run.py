@@ -79,7 +79,8 @@ def run_bench(a, engine_cfg) -> int:
 
     order = methods + sorted({r["method"] for r in records} - set(methods), reverse=True)
     n_past = int(sum(len(t) for _, t, _ in prompts) / len(prompts))
-    report = summarize(records, order, eng.cost, n_past)
+    report = summarize(records, order, eng.cost, n_past, limit=eng.max_verify_rows)
+    report["exactness"] = eng.exactness_info()
     report["config"] = {
         "model": engine_cfg.model, "draft": engine_cfg.draft, "threads": eng.ctx.n_threads, "kv_type": engine_cfg.kv_type,
         "n_predict": a.n_predict, "repeat": a.repeat, "suite": a.suite or "built-in", "prompts": len(prompts),
@@ -95,8 +96,12 @@ def run_bench(a, engine_cfg) -> int:
         print(f"\nreport: {out / 'report.json'}" + (f", {chart}" if chart else " (charts need matplotlib: pip install 'edgespec[bench]')"),
               file=sys.stderr)
     if mismatches:
-        print(f"edgespec: error: {len(mismatches)} outputs differ from plain greedy decoding: "
-              + ", ".join(f"{m} on {i}" for i, m in mismatches[:5]), file=sys.stderr)
+        shown = ", ".join(f"{m} on {i}" for i, m in mismatches[:5])
+        if eng.policy == "batched":  # allowed at near-ties by the policy in force: reported, not an error
+            print(f"edgespec: {len(mismatches)} outputs differ from plain greedy decoding ({shown}): near-ties under "
+                  "--exactness batched", file=sys.stderr)
+            return 0
+        print(f"edgespec: error: {len(mismatches)} outputs differ from plain greedy decoding: {shown}", file=sys.stderr)
         return 3
     return 0
 

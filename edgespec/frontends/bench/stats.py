@@ -15,22 +15,23 @@ def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
 
 
-def ceiling(cost, n_past: int, max_rows: int = 32) -> tuple[float, int]:
-    """Best speedup of an oracle drafter (every draft token accepted) and its draft length."""
+def ceiling(cost, n_past: int, max_rows: int = 32, limit: int | None = None) -> tuple[float, int]:
+    """Best speedup of an oracle drafter (every draft token accepted) and its draft length;
+    `limit`: the rows one verification may decode (default: the probe's bit-exact limit)."""
     best, best_k = 1.0, 0
     plain = cost.t(1, n_past)
-    for k in range(1, min(max_rows, cost.max_exact_rows)):
+    for k in range(1, min(max_rows, cost.max_exact_rows if limit is None else limit)):
         s = (k + 1) * plain / cost.t(k + 1, n_past)
         if s > best:
             best, best_k = s, k
     return best, best_k
 
 
-def summarize(records: list[dict], methods: list[str], cost, n_past: int) -> dict:
+def summarize(records: list[dict], methods: list[str], cost, n_past: int, limit: int | None = None) -> dict:
     base = {(r["id"], r["repeat"]): r for r in records if r["method"] == "none"}
     llama_base = {(r["id"], r["repeat"]): r for r in records if r["method"] == "llama.cpp:completion"}
     cats = sorted({r["category"] for r in records})
-    top, top_k = ceiling(cost, n_past)
+    top, top_k = ceiling(cost, n_past, limit=limit)
     rows = []
     for m in methods:
         mine = [r for r in records if r["method"] == m]

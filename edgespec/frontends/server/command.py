@@ -75,10 +75,10 @@ def run_serve(a, cfg) -> int:
         sock.close()
         raise
     n_par = a.parallel
-    if n_par > engine.cost.max_exact_rows:
-        log.warning(f"{engine.target.path.name}: batches of more than {engine.cost.max_exact_rows} rows are not "
-                    f"bit-exact with this build: -np {n_par} is lowered to {engine.cost.max_exact_rows}")
-        n_par = engine.cost.max_exact_rows
+    if n_par > engine.max_verify_rows:
+        log.warning(f"{engine.target.path.name}: batches of more than {engine.max_verify_rows} rows are not "
+                    f"bit-exact with this build: -np {n_par} is lowered to {engine.max_verify_rows}")
+        n_par = engine.max_verify_rows
     max_tokens = a.n_predict if a.n_predict else engine.n_ctx_seq
     defaults = Defaults(max_tokens, make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed))
     worker = Worker(engine, a.spec, n_par, a.max_queue)

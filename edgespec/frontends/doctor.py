@@ -1,0 +1,66 @@
+"""`edgespec doctor`: what llama.cpp runs on here and what that means for speculation."""
+
+from __future__ import annotations
+
+import json
+
+from .. import __version__
+
+
+def report(engine) -> dict:
+    from .. import backend
+
+    import llama_cpp
+
+    m, cfg = engine.target, engine.cfg
+    n_layer = m.n_layer
+    ngl = cfg.n_gpu_layers
+    offloaded = n_layer if ngl < 0 else min(ngl, n_layer)
+    return {
+        "edgespec": __version__, "llama_cpp_python": llama_cpp.__version__,
+        "gpu_offload_supported": backend.gpu_offload(), "rpc_supported": backend.rpc(),
+        "devices": backend.devices(), "system_info": backend.system_info(),
+        "model": str(m.path), "layers": n_layer, "nextn_layers": m.n_layer_nextn,
+        "offloaded_layers": offloaded if engine.on_gpu else 0, "threads": engine.ctx.n_threads,
+        "kv_type": cfg.kv_type, "context": engine.n_ctx_seq,
+        "cost": engine.cost.to_dict(), "exactness": engine.exactness_info(),
+    }
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n else "?"
+
+
+def run_doctor(a, cfg) -> int:
+    from ..engine import Engine
+
+    engine = Engine(cfg, quiet=a.json)
+    try:
+        r = report(engine)
+    finally:
+        engine.close()
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    ex, c = r["exactness"], r["cost"]
+    print(f"edgespec {r['edgespec']}, llama-cpp-python {r['llama_cpp_python']}")
+    print(f"GPU offload: {'supported' if r['gpu_offload_supported'] else 'not in this build'}; "
+          f"RPC: {'supported' if r['rpc_supported'] else 'not in this build'}")
+    print(f"llama.cpp: {r['system_info']}")
+    print("devices:")
+    for d in r["devices"]:
+        print(f"  {d['name']:<10} {d['type']:<6} {d['description']}  (memory {_size(d['memory_free'])} free of "
+              f"{_size(d['memory_total'])})")
+    where = f"{r['offloaded_layers']} of {r['layers']} layers on the GPU" if r["offloaded_layers"] else "all on the CPU"
+    print(f"model: {r['model']} ({r['layers']} layers{', ' + str(r['nextn_layers']) + ' nextn' if r['nextn_layers'] else ''}; "
+          f"{where}); {r['threads']} threads, KV cache {r['kv_type']}, context {r['context']}")
+    base = c["ms"][0]
+    curve = "  ".join(f"{k}:{ms:.1f} ({ms / base:.1f}x)" for k, ms in zip(c["k"], c["ms"]) if k in (1, 2, 4, 8, 16, 32))
+    print(f"cost of verifying k rows (ms, at {c['n0']} tokens of context): {curve}")
+    print(f"  attention: {c['attn_us_per_row_per_token']:.4f} us per row per cached token")
+    diff = ex["batch_logit_diff"]
+    print(f"exactness probe: batches bit-identical to one-row decodes up to {ex['max_exact_rows']} rows; largest "
+          f"|delta logit| at 2-32 rows: {'not measured' if diff is None else f'{diff:.3g}'}")
+    print(f"policy: {ex['policy']} (--exactness {ex['requested']}), verifying up to {ex['max_verify_rows']} rows: "
+          f"{ex['guarantee']}")
+    return 0

@@ -1,0 +1,138 @@
+"""The exactness policy, covered without a GPU: a simulated backend whose batches are not
+bit-exact (a cost/exactness profile injected into the real engine, or into the cost cache the
+CLI reads) keeps speculation on under `batched`, turns it off under `strict`, and says which
+policy is in force in the stats."""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from edgespec.costmodel import BATCHED_ROWS, flat, resolve_policy, verify_rows
+from edgespec.models import cache_root
+
+from conftest import GREEDY, PROMPTS
+
+COPY = PROMPTS[3]
+
+
+@pytest.mark.parametrize("requested,rows,gpu,policy", [
+    ("auto", 32, False, "strict"), ("auto", 1, False, "strict"),  # a CPU: strict whatever the probe says
+    ("auto", 1, True, "batched"), ("auto", 3, True, "batched"),  # a GPU with (almost) no exact batches
+    ("auto", 4, True, "strict"), ("auto", 32, True, "strict"),  # a GPU whose batches agree: keep bit-exact
+    ("strict", 1, True, "strict"), ("batched", 32, False, "batched"),
+])
+def test_policy_follows_the_probe_and_the_backend(requested, rows, gpu, policy):
+    assert resolve_policy(requested, rows, gpu) == policy
+
+
+def test_rows_per_verification_follow_the_policy():
+    c = flat(0.01, max_exact_rows=3)
+    assert verify_rows(c, "strict") == 3 and verify_rows(c, "batched") == BATCHED_ROWS
+
+
+def _run(engine, method="lookahead"):
+    gen = engine.start(engine.prompt_tokens(COPY), 96, GREEDY, method)
+    for _ in gen:
+        pass
+    return gen
+
+
+@pytest.fixture
+def gpu_like(smol):
+    """The real engine made to look like a GPU backend whose batches differ from one-row decodes:
+    rows cost as much as one, nothing beyond one row bit-exact, a near-tie margin of 0.03."""
+    saved = (smol.cost, smol._gpu, smol.cfg)
+    smol.cost = flat(0.01, max_exact_rows=1, batch_logit_diff=0.03)
+    smol._gpu = True
+    yield smol
+    smol.cost, smol._gpu, smol.cfg = saved
+
+
+def test_simulated_gpu_keeps_speculating_under_batched(gpu_like, smol):
+    eng = gpu_like
+    plain = _run(eng, "none")
+    eng.cfg = replace(eng.cfg, exactness="auto")
+    info = eng.exactness_info()
+    assert info["policy"] == "batched" and info["backend"] == "gpu" and info["max_verify_rows"] == BATCHED_ROWS
+    assert info["batch_logit_diff"] == 0.03 and "near-ties" in info["guarantee"]
+    g = _run(eng)
+    assert g.stats.n_drafted > 0  # verifications of more than one row, where none is bit-exact
+    # on this CPU the batches are in fact exact, so the output is still plain decoding's
+    assert g.tokens == plain.tokens
+
+
+def test_simulated_gpu_under_strict_does_not_draft_and_says_so(gpu_like, caplog):
+    eng = gpu_like
+    eng.cfg = replace(eng.cfg, exactness="strict")
+    info = eng.exactness_info()
+    assert info["policy"] == "strict" and info["max_verify_rows"] == 1 and "speculation is off" in info["guarantee"]
+    lg = logging.getLogger("edgespec")
+    lg.addHandler(caplog.handler)
+    try:
+        eng._note_exactness(quiet=False)
+    finally:
+        lg.removeHandler(caplog.handler)
+    assert "speculation is off" in caplog.text and "--exactness batched" in caplog.text
+    g = _run(eng)
+    assert g.stats.n_drafted == 0
+
+
+def test_drafts_grow_where_rows_are_cheap(smol):
+    """The same drafter drafts wider and deeper on a flat (GPU-like) cost curve than on this CPU's."""
+    saved = smol.cost
+    try:
+        cpu = _run(smol)
+        smol.cost = flat(0.01, saved.max_exact_rows)
+        gpu = _run(smol)
+    finally:
+        smol.cost = saved
+    assert gpu.stats.n_drafted / gpu.stats.n_steps > cpu.stats.n_drafted / max(1, cpu.stats.n_steps)
+
+
+def test_run_json_reports_the_policy_with_an_injected_profile(tmp_path):
+    """The CLI reads an exactness profile from the cost cache: every entry made non-exact."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.symlink(cache_root() / "models", cache / "models")
+    if (cache_root() / "costs.json").exists():
+        shutil.copy(cache_root() / "costs.json", cache / "costs.json")
+    env = {**os.environ, "EDGESPEC_CACHE": str(cache)}
+    base = [sys.executable, "-m", "edgespec", "run", "-m", "smollm2-135m-instruct:q4_0", "-t", "2", "-c", "1024",
+            "--json", "--spec", "lookahead", "-p", COPY]
+    r = subprocess.run(base + ["-n", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    costs = json.loads((cache / "costs.json").read_text())
+    for rec in costs.values():
+        rec["max_exact_rows"], rec["batch_logit_diff"] = 1, 0.02
+    (cache / "costs.json").write_text(json.dumps(costs))
+    out = {}
+    for policy in ("strict", "batched"):
+        r = subprocess.run(base + ["-n", "64", "--exactness", policy], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        out[policy] = json.loads(r.stdout)
+        ex = out[policy]["stats"]["exactness"]
+        assert ex["policy"] == policy and ex["requested"] == policy and ex["max_exact_rows"] == 1
+    assert "speculation is off" in subprocess.run(base + ["-n", "1", "--exactness", "strict"], capture_output=True,
+                                                  text=True, env=env, timeout=300).stderr
+    assert out["strict"]["stats"]["n_drafted"] == 0 and out["batched"]["stats"]["n_drafted"] > 0
+    assert out["strict"]["token_ids"] == out["batched"]["token_ids"]  # this CPU's batches are exact anyway
+
+
+def test_doctor_reports_backend_curve_probe_and_policy():
+    r = subprocess.run([sys.executable, "-m", "edgespec", "doctor", "-m", "smollm2-135m-instruct:q4_0", "-t", "2",
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert any(dev["type"] == "cpu" for dev in d["devices"]) and d["layers"] == 30
+    assert d["exactness"]["policy"] == "strict" and d["exactness"]["max_exact_rows"] >= 2
+    assert d["cost"]["k"][0] == 1 and isinstance(d["gpu_offload_supported"], bool)
+    r = subprocess.run([sys.executable, "-m", "edgespec", "doctor", "-m", "smollm2-135m-instruct:q4_0", "-t", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "exactness probe" in r.stdout and "policy: strict" in r.stdout
