@@ -118,3 +118,115 @@ def test_pipe_mode_reads_lines():
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("\n") >= 2
     assert r.stderr.count("tok/s") == 2
+
+
+# -- rendering cost and layout (scripted, no model) ---------------------------------------
+
+
+class LongSession:
+    """A scripted session streaming a long Markdown reply: 4 tokens per step."""
+
+    model_name = "scripted.gguf"
+    system = None
+    exactness = "strict ≤32 rows"
+
+    def __init__(self, n_tokens=2400, step_s=0.02):  # 200 tokens/s, more than the model makes here
+        from edgespec.events import Stats
+
+        self.method, self.messages, self.total = "lookahead", [], Stats()
+        self.n_tokens, self.step_s = n_tokens, step_s
+        self.words = [("\n\n## Part %d\n\n" % (i // 40) if i % 40 == 0 else "\n- " if i % 8 == 0 else f" word{i}")
+                      for i in range(n_tokens)]
+
+    def methods(self):
+        return ["none", "lookahead"]
+
+    def piece(self, token):
+        return self.words[token]
+
+    def stop(self):
+        pass
+
+    def send(self, text, on_event=None):
+        import time
+
+        from edgespec.events import Stats, StepEvent
+        from edgespec.frontends.session import Reply
+
+        st = Stats(n_prompt=5)
+        t0 = time.perf_counter()
+        for step, i in enumerate(range(0, self.n_tokens, 4)):
+            toks = tuple(range(i, min(i + 4, self.n_tokens)))
+            ev = StepEvent(step, 3, 2, 1, toks, (True, True, False, False)[: len(toks)], 0.0005, self.step_s, "lookahead",
+                           (1, 2), (1,))
+            st.add(ev)
+            if on_event:
+                on_event(ev, "".join(self.words[t] for t in toks))
+            time.sleep(self.step_s)
+        st.t_gen, st.finish_reason = time.perf_counter() - t0, "length"
+        reply = Reply("".join(self.words), list(range(self.n_tokens)), [], st, self.method)
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply.text}]
+        self.total = st
+        return reply
+
+
+def test_long_streamed_reply_keeps_the_ui_responsive():
+    """2,400 tokens streamed at 200 tokens/s, a Markdown block every 8 tokens (360 blocks):
+    typing in the prompt box mid-stream is handled within 0.25 s a key, switching the view
+    (Ctrl+T, both ways) within 2.5 s; both views end with the whole reply."""
+    import time
+
+    async def run():
+        app = ChatApp(LongSession())
+        async with app.run_test(size=(120, 40)) as pilot:
+            await _send(app, pilot, "Go.")
+            typing, switching = [], []
+            box = app.query_one(PromptInput)
+            for i in range(6):
+                await pilot.pause(1.0)
+                if not app.busy:
+                    break
+                t0 = time.perf_counter()
+                await pilot.press("x")
+                typing.append(time.perf_counter() - t0)
+                assert box.text.endswith("x")
+                was = app.marked
+                t0 = time.perf_counter()
+                await pilot.press("ctrl+t")
+                switching.append(time.perf_counter() - t0)
+                assert app.marked != was
+            await _wait_idle(app, pilot)
+            assert len(typing) >= 4, "the reply ended before the keys were pressed"
+            assert max(typing) < 0.25, f"typing took {typing}"
+            assert max(switching) < 2.5, f"switching views took {switching}"
+            turn = list(app.query(Turn))[-1]
+            if app.marked:
+                await pilot.press("ctrl+t")
+            assert turn.markdown_source == app.session.messages[-1]["content"]
+            assert len(turn.segments) > 5
+            await pilot.press("ctrl+t")
+            shown = "".join(str(s.render()) for s in turn.query(".marked Static"))
+            assert shown.replace("\n", "") == turn.text.replace("\n", "")
+            assert app.ui_share is not None and app.ui_share > 0
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_stats_panel_lines_fit_whatever_the_numbers(compact):
+    from edgespec.events import Stats
+    from edgespec.tui.app import PANEL_WIDTH, StatsPanel
+
+    st = Stats(n_generated=123456, n_steps=99999, n_drafted=438000, n_accept=400000, t_draft=1.0, t_verify=9.0,
+               t_gen=10.0)
+    st.accepted_len_hist = [0] + [1234 * (17 - k) for k in range(1, 17)]
+    st.drafted_at, st.accepted_at = [1000] * 16, [990] * 16
+    panel = StatsPanel()
+    captured = {}
+    panel.update = lambda t: captured.setdefault("text", t)
+    panel.render_stats("lookahead", st, st, 12345.6, "batched ≤64 rows", ui_share=0.123, compact=compact)
+    lines = captured["text"].plain.splitlines()
+    assert all(len(line) <= PANEL_WIDTH for line in lines), [x for x in lines if len(x) > PANEL_WIDTH]
+    assert any("ui 12%" in line for line in lines) and any("438000" in line for line in lines)
+    if compact:
+        assert len(lines) <= 12, "fits a 24-row terminal's panel"

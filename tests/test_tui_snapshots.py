@@ -17,6 +17,7 @@ STEPS = [(0, 1), (2, 4), (1, 2), (3, 4), (0, 1), (2, 3), (1, 1), (2, 3), (0, 2)]
 class ScriptedSession:
     model_name = "scripted.gguf"
     system = None
+    exactness = "strict ≤32 rows"
 
     def __init__(self):
         self.method = "lookahead"

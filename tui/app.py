@@ -2,7 +2,11 @@
 
 The app takes a ChatSession (core, no Textual) and runs each reply in a worker thread. The
 worker only posts messages; step events are merged so the screen refreshes a few times a second
-however fast tokens come.
+however fast tokens come. Rendering is incremental, so its cost per refresh does not grow with
+the reply: the Markdown view streams (Textual's MarkdownStream re-parses only the last block),
+the marked-drafts view appends to its last chunk. The refresh interval adapts so the UI thread
+takes at most about a tenth of one core (measured as its CPU time per second of generation, shown
+as "ui" in the stats panel), leaving the cores to llama.cpp.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from rich.markdown import Markdown as RichMarkdown
 from rich.text import Text
-from textual import on, work
+from textual import on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -24,7 +29,15 @@ from edgespec.errors import EdgespecError
 from edgespec.events import Stats, StepEvent
 from edgespec.frontends.session import ChatSession
 
-REFRESH_S = 0.1
+REFRESH_S = 0.1  # shortest interval between screen updates while a reply streams
+REFRESH_MAX_S = 1.0
+# Of one core, what the UI thread may take while a reply streams: the interval between updates
+# is the measured CPU cost of one update divided by this. On a machine whose cores llama.cpp
+# keeps busy, every percent the UI takes is a percent of decoding lost (or more: a preempted
+# compute thread stalls the others at the next barrier).
+UI_SHARE = 0.05
+CHUNK_CHARS = 800  # both views start a new segment past this many characters (at a line or block end)
+PANEL_WIDTH = 34  # characters inside the stats panel's border and padding
 
 
 class PromptInput(TextArea):
@@ -61,49 +74,137 @@ class PromptInput(TextArea):
         await super()._on_key(event)
 
 
+def split_segment(text: str, size: int) -> tuple[str, str] | None:
+    """Where a streaming Markdown reply can be cut into a finished segment and the rest: after
+    a blank line followed by unindented text (a block boundary), once the segment has `size`
+    characters; inside a code fence past 2x that, the fence closed and reopened; anywhere at a
+    line end past 4x. Never after the last line, which may still grow. None: not yet."""
+    if len(text) < size:
+        return None
+    lines = text.splitlines(keepends=True)
+    fence = None  # the opening line of the fence we are in
+    off = 0
+    for i, line in enumerate(lines[:-1]):
+        bare = line.lstrip(" ")
+        if bare.startswith(("```", "~~~")) and len(line) - len(bare) <= 3:
+            fence = None if fence else bare.rstrip("\n")
+        off += len(line)
+        if off < size or not line.endswith("\n"):
+            continue
+        starts_block = lines[i + 1][:1] not in (" ", "\t", "\n")
+        if fence is None:
+            if starts_block and (line.strip() == "" or off >= 4 * size):
+                return text[:off], text[off:]
+        elif off >= 2 * size:
+            marker = fence[: len(fence) - len(fence.lstrip(fence[0]))]
+            return text[:off] + marker + "\n", fence + "\n" + text[off:]
+    return None
+
+
 class Turn(Vertical):
-    """One message of the conversation."""
+    """One message of the conversation. A reply is shown in segments of Markdown rendered by
+    rich, each a widget: finished segments are rendered once, only the last one again as text
+    comes (Textual's Markdown widget streams too, but it makes every block a widget, and
+    Textual lays all of them out again on every refresh: 0.3 s per refresh at 1,600 tokens)."""
 
     DEFAULT_CSS = """
     Turn { height: auto; margin: 0 0 1 0; }
     Turn .who { color: $text-muted; }
     Turn.user .who { color: $accent; }
     Turn Markdown { margin: 0; padding: 0; }
-    Turn .marked { height: auto; }
+    Turn .md, Turn .marked { height: auto; }
+    Turn .md Static, Turn .marked Static { height: auto; }
     """
 
     def __init__(self, role: str, text: str = "") -> None:
         super().__init__(classes=role)
         self.role, self.text = role, text
         self.tokens: list[tuple[str, bool]] = []  # (piece, came from an accepted draft)
+        self.marked: bool | None = None  # the view on screen (None: not shown yet)
+        self.segments: list[str] = []  # the Markdown view's finished segments
+        self._live = ""  # its last segment, still growing
+        self._shown = ""  # text already in the Markdown view
+        self._chunk: Text | None = None  # the marked view's last chunk
+        self._n_marked = 0  # tokens already in the marked view
 
     def compose(self) -> ComposeResult:
         yield Static("you" if self.role == "user" else "model", classes="who")
-        yield Markdown(self.text)
-        yield Static("", classes="marked")
-
-    def show(self, marked: bool) -> None:
-        md, plain = self.query_one(Markdown), self.query_one(".marked", Static)
-        md.display, plain.display = not marked, marked
-        if marked:
-            t = Text()
-            for piece, drafted in self.tokens:
-                t.append(piece, style="bold green" if drafted else "")
-            plain.update(t)
+        if self.role == "user":
+            yield Markdown(self.text)
         else:
-            md.update(self.text)
+            yield Vertical(classes="md")
+            yield Vertical(classes="marked")
+
+    @property
+    def markdown_source(self) -> str:
+        """What the Markdown view shows, as Markdown (the segments put together)."""
+        return "".join(self.segments) + self._live
+
+    async def show(self, marked: bool) -> None:
+        """Bring the view up to date, rendering only what is new. The Markdown view follows the
+        text even while hidden (cheap: one segment); the marked view catches up when shown."""
+        md, box = self.query_one(".md", Vertical), self.query_one(".marked", Vertical)
+        if marked != self.marked:
+            md.display, box.display = not marked, marked
+            self.marked = marked
+        if marked:
+            await self._append_marked(box)
+        if self.text != self._shown:
+            if not self.text.startswith(self._shown):  # cannot happen today: redraw from scratch
+                await md.remove_children()
+                self.segments, self._live, self._shown = [], "", ""
+            await self._append_markdown(md, self.text[len(self._shown):])
+            self._shown = self.text
+
+    async def finish(self) -> None:
+        """The reply is complete (kept for symmetry with views that buffer)."""
+
+    async def _append_markdown(self, md: Vertical, delta: str) -> None:
+        if not md.children:
+            await md.mount(Static(""))
+        self._live += delta
+        while (cut := split_segment(self._live, CHUNK_CHARS)) is not None:
+            done, self._live = cut
+            self.segments.append(done)
+            md.children[-1].update(RichMarkdown(done))
+            await md.mount(Static(""))
+        md.children[-1].update(RichMarkdown(self._live))
+
+    async def _append_marked(self, box: Vertical) -> None:
+        new = self.tokens[self._n_marked:]
+        if not new:
+            return
+        self._n_marked = len(self.tokens)
+        for piece, drafted in new:
+            if self._chunk is None:
+                self._chunk = Text()
+                await box.mount(Static(self._chunk))
+            self._chunk.append(piece, style="bold green" if drafted else "")
+            if len(self._chunk) >= CHUNK_CHARS and piece.endswith("\n") or len(self._chunk) >= 2 * CHUNK_CHARS:
+                if piece.endswith("\n"):  # the next chunk starts on its own line anyway
+                    self._chunk.right_crop(1)
+                box.children[-1].update(self._chunk)
+                self._chunk = None
+        if self._chunk is not None:
+            box.children[-1].update(self._chunk)
 
 
 class StatsPanel(Static):
     DEFAULT_CSS = "StatsPanel { width: 38; height: auto; padding: 0 1; border: round $primary; }"
 
-    def render_stats(self, method: str, st: Stats, total: Stats, rate_now: float) -> None:
-        t = Text()
+    def render_stats(self, method: str, st: Stats, total: Stats, rate_now: float, exactness: str = "",
+                     ui_share: float | None = None, compact: bool = False) -> None:
+        """Every line fits PANEL_WIDTH characters whatever the numbers; `compact` (a short
+        terminal) puts the histogram of tokens per step on one line."""
+        t = Text(no_wrap=True, overflow="ellipsis")
         t.append(f"drafter  {method}\n", style="bold")
-        t.append(f"tok/s    now {rate_now:6.1f}   reply {st.tokens_per_s:6.1f}\n")
-        acc = f"{100 * st.acceptance_rate:5.1f}%" if st.n_drafted else "    -"
-        t.append(f"accept   {acc}   mean len {st.mean_accepted_length:4.2f}\n")
-        t.append(f"tokens   {st.n_generated}  steps {st.n_steps}  drafted {st.n_drafted}\n")
+        if exactness:  # the policy in force: strict (greedy identical) or batched (near-ties may differ)
+            t.append(f"exact    {exactness}\n")
+        t.append(f"tok/s    now {_num(rate_now)}  reply {_num(st.tokens_per_s)}\n")
+        acc = f"{100 * st.acceptance_rate:.0f}%" if st.n_drafted else "-"
+        t.append(f"accept   {acc:>4}  mean len {st.mean_accepted_length:.2f}\n")
+        t.append(f"tokens   {st.n_generated}  steps {st.n_steps}\n")
+        t.append(f"drafted  {st.n_drafted}  accepted {st.n_accept}\n")
         busy = st.t_draft + st.t_verify
         if busy > 0:
             share = st.t_draft / busy
@@ -111,22 +212,36 @@ class StatsPanel(Static):
             t.append("time     ")
             t.append("█" * bar, style="yellow")
             t.append("█" * (20 - bar), style="blue")
-            t.append(f"\n         draft {100 * share:.0f}% / verify {100 * (1 - share):.0f}%\n")
+            ui = "" if ui_share is None else f" ui {100 * ui_share:.0f}%"
+            t.append(f"\n draft {100 * share:.0f}% verify {100 * (1 - share):.0f}%{ui}\n")
         hist = st.accepted_len_hist
         if sum(hist):
-            t.append("tokens per step\n", style="bold")
             top = max(hist)
-            for n, c in enumerate(hist):
-                if n == 0:  # a last step cut at end-of-generation commits nothing
-                    continue
-                t.append(f" {n:2d} {'▇' * max(1, round(16 * c / top)) if c else '':16s} {c}\n")
+            if compact:
+                last = max(n for n, c in enumerate(hist) if c)
+                blocks = "".join(" ▁▂▃▄▅▆▇█"[min(8, -(-8 * hist[n] // top))] for n in range(1, last + 1))
+                t.append(f"per step 1 {blocks[:PANEL_WIDTH - 15]} {last}\n")
+            else:
+                t.append("tokens per step\n", style="bold")
+                width = len(str(top))
+                for n, c in enumerate(hist):
+                    if n == 0:  # a last step cut at end-of-generation commits nothing
+                        continue
+                    t.append(f" {n:2d} {'▇' * max(1, round(16 * c / top)) if c else '':16s} {c:>{width}}\n")
         pos = st.acceptance_by_position
         if pos:
-            t.append("accept by position\n", style="bold")
-            t.append(" " + " ".join(f"{100 * p:3.0f}" for p in pos[:8]) + "\n")
-        t.append(f"\nconversation: {total.n_generated} tokens, ", style="dim")
-        t.append(f"{100 * total.acceptance_rate:.0f}% accepted" if total.n_drafted else "no drafts", style="dim")
+            t.append("accept by position\n" if not compact else "by pos ", style="bold")
+            t.append((" " if not compact else "") + " ".join(f"{100 * p:3.0f}" for p in pos[:8 if not compact else 6])
+                     + "\n")
+        t.append(f"total    {total.n_generated} tokens", style="dim")
+        if total.n_drafted:
+            t.append(f", {100 * total.acceptance_rate:.0f}% acc.", style="dim")
         self.update(t)
+
+
+def _num(x: float) -> str:
+    """A rate in six characters at most."""
+    return f"{x:6.1f}" if x < 1000 else f"{x:6.0f}"
 
 
 class ChatApp(App):
@@ -177,6 +292,12 @@ class ChatApp(App):
         self._pending_text: list[str] = []
         self._last_flush = 0.0
         self.last_export: Path | None = None
+        self._exactness: str | None = None  # the session's exactness policy, read once
+        self.refresh_s = REFRESH_S  # interval between screen updates, adapted to the UI's load
+        self._t0 = (0.0, 0.0)  # (wall, UI thread CPU) when the reply started
+        self._window = (0.0, 0.0)  # the same at the start of the current adaptation window
+        self.ui_share: float | None = None  # UI thread CPU seconds per second of this reply
+        self._cost: float | None = None  # UI thread CPU seconds per screen update (average)
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -197,6 +318,10 @@ class ChatApp(App):
         self.query_one(PromptInput).focus()
         self._refresh_stats(0.0)
         self.set_status("Enter sends · Ctrl+J new line · Esc stops · Ctrl+D switches the drafter")
+
+    def on_unmount(self) -> None:
+        if self.busy:  # quitting mid-reply: end it, so the generation thread is free at once
+            self.session.stop()
 
     def set_status(self, text: str) -> None:
         self.query_one("#status", Static).update(text)
@@ -219,15 +344,20 @@ class ChatApp(App):
         self.current = Turn("assistant")
         self.query_one("#log", VerticalScroll).mount(self.current)
         self.set_status(f"answering with {self.session.method} …")
+        self._t0 = self._window = (time.perf_counter(), time.thread_time())
+        self.ui_share = None
         self._generate(call)
 
-    @work(thread=True, exclusive=True)
     def _generate(self, call) -> None:
+        _generation_thread().submit(self._generate_body, call)
+
+    def _generate_body(self, call) -> None:
+        """In the generation thread: the reply, posted to the UI as merged Progress messages."""
         def on_event(ev: StepEvent, piece: str) -> None:
             self._pending.append(ev)
             self._pending_text.append(piece)
             now = time.perf_counter()
-            if now - self._last_flush >= REFRESH_S:
+            if now - self._last_flush >= self.refresh_s:
                 self._last_flush = now
                 self._flush()
 
@@ -248,7 +378,19 @@ class ChatApp(App):
         if evs:
             self.post_message(self.Progress(evs, "".join(txt)))
 
-    def on_chat_app_progress(self, message: Progress) -> None:
+    def _measure_ui(self) -> None:
+        """The UI thread's CPU time per second of this reply (`ui_share`), and the interval
+        between updates: the CPU one update costs (everything the UI thread did since the last
+        one: handling it, layout, rendering), averaged, divided by UI_SHARE."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        if wall - self._t0[0] >= 1.0:  # a share over less than a second says little
+            self.ui_share = (cpu - self._t0[1]) / (wall - self._t0[0])
+        per_update = cpu - self._window[1]
+        self._window = (wall, cpu)
+        self._cost = per_update if self._cost is None else 0.7 * self._cost + 0.3 * per_update
+        self.refresh_s = min(REFRESH_MAX_S, max(REFRESH_S, self._cost / UI_SHARE))
+
+    async def on_chat_app_progress(self, message: Progress) -> None:
         turn = self.current
         if turn is None:
             return
@@ -260,14 +402,14 @@ class ChatApp(App):
         flags = [f for ev in message.events for f in ev.from_draft]
         turn.tokens.extend(zip(pieces, flags))
         turn.text += message.text
-        turn.show(self.marked)
+        await turn.show(self.marked)
         self.query_one("#log", VerticalScroll).scroll_end(animate=False)
         dt = sum(ev.t_draft + ev.t_verify for ev in message.events)
         n = sum(len(ev.tokens) for ev in message.events)
+        self._measure_ui()
         self._refresh_stats(n / dt if dt > 0 else 0.0)
 
-    def on_chat_app_done(self, message: Done) -> None:
-        self.busy = False
+    async def on_chat_app_done(self, message: Done) -> None:
         if message.error:
             if self.current is not None and not self.current.text:
                 self.current.remove()
@@ -276,15 +418,22 @@ class ChatApp(App):
             r = message.reply
             if self.current is not None:
                 self.current.text = r.text
-                self.current.show(self.marked)
+                await self.current.show(self.marked)
             self.reply_stats = r.stats
             state = "stopped" if r.stopped else "done"
             self.set_status(f"{state}: {r.stats.summary()}")
+        if self.current is not None:
+            await self.current.finish()
+        self._measure_ui()
         self.current = None
         self._refresh_stats(0.0)
+        self.busy = False  # last: the reply is on screen and in the stats
 
     def _refresh_stats(self, rate_now: float) -> None:
-        self.query_one(StatsPanel).render_stats(self.session.method, self.reply_stats, self.session.total, rate_now)
+        if self._exactness is None:
+            self._exactness = getattr(self.session, "exactness", "")
+        self.query_one(StatsPanel).render_stats(self.session.method, self.reply_stats, self.session.total, rate_now,
+                                                self._exactness, self.ui_share, compact=self.size.height < 40)
         spark = self.query_one(Sparkline)
         spark.data = self.spark_data[-60:]
         spark.display = bool(self.spark_data)
@@ -348,11 +497,11 @@ class ChatApp(App):
         self.query_one("#log", VerticalScroll).remove_children()
         self.set_status("conversation cleared")
 
-    def action_toggle_marks(self) -> None:
+    async def action_toggle_marks(self) -> None:
         self.marked = not self.marked
         for turn in self.query(Turn):
             if turn.role == "assistant":
-                turn.show(self.marked)
+                await turn.show(self.marked)
         self.set_status("green: tokens from accepted drafts" if self.marked else "Markdown view")
 
     def action_export(self) -> None:
@@ -370,6 +519,21 @@ class ChatApp(App):
             return
         self.last_export = path
         self.set_status(f"exported to {path}")
+
+
+_GEN = None
+
+
+def _generation_thread():
+    """The one thread that runs replies, for the life of the process: llama.cpp's OpenMP
+    compute threads belong to the thread that starts a decode, so a thread per reply would
+    start (and spin up) a new team of them for every reply."""
+    global _GEN
+    if _GEN is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _GEN = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-generate")
+    return _GEN
 
 
 class _NotifyHandler(logging.Handler):

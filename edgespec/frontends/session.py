@@ -43,6 +43,12 @@ class ChatSession:
     def model_name(self) -> str:
         return self.engine.target.path.name
 
+    @property
+    def exactness(self) -> str:
+        """The exactness policy in force, short: "strict ≤32 rows" (see `edgespec doctor`)."""
+        ex = self.engine.exactness_info()
+        return f"{ex['policy']} ≤{ex['max_verify_rows']} rows"
+
     def piece(self, token: int) -> str:
         return self.engine.target.detokenize([token])
 
