@@ -89,3 +89,97 @@ def system_info() -> str:
 def on_gpu(n_gpu_layers: int) -> bool:
     """Whether a model loaded with `n_gpu_layers` runs (partly) on a GPU here."""
     return n_gpu_layers != 0 and gpu_offload() and has_gpu()
+
+
+# -- llama.cpp's RPC backend ----------------------------------------------------------------
+
+RPC_INSTALL = ('CMAKE_ARGS="-DGGML_RPC=on" pip install --no-cache-dir --force-reinstall --no-deps '
+               'llama-cpp-python==0.3.36')
+_rpc_regs: dict[str, list[int]] = {}  # endpoint -> its devices, registered once per process
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """HOST:PORT (or [IPv6]:PORT) -> (host, port); one clear line when it is not one."""
+    from .errors import EdgespecError
+
+    host, sep, port = text.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EdgespecError(f"RPC server {text!r} is not HOST:PORT (e.g. 192.168.1.20:50052)")
+    return host, int(port)
+
+
+def _rpc_lib():
+    lib = _ggml()
+    if lib is None:
+        return None
+    try:
+        lib.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+        lib.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+        lib.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+        lib.ggml_backend_register.argtypes = [ctypes.c_void_p]
+        lib.ggml_backend_register.restype = None
+        lib.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+        lib.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+        lib.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+    except AttributeError:
+        return None
+    return lib
+
+
+def add_rpc_servers(endpoints: list[str], timeout: float = 3.0) -> list[int]:
+    """Register llama.cpp RPC servers (`rpc-server` on other machines) as devices, as llama.cpp's
+    own `--rpc` does; returns their devices (pointers) for a model's device list. Each server is
+    first reached with a plain TCP connect bounded by `timeout`, so an unreachable one is one
+    clear line, never a hang in llama.cpp's connect."""
+    import socket
+
+    from .errors import EdgespecError
+
+    if not rpc():
+        raise EdgespecError(f"this llama-cpp-python was built without llama.cpp's RPC backend; reinstall it with "
+                            f"RPC on: {RPC_INSTALL}")
+    lib = _rpc_lib()
+    reg = lib.ggml_backend_reg_by_name(b"RPC") if lib is not None else None
+    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server") if reg else None
+    if not fn:
+        raise EdgespecError(f"llama.cpp's RPC backend is not usable in this build ({RPC_INSTALL})")
+    add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(fn)
+    devices: list[int] = []
+    for ep in endpoints:
+        host, port = parse_endpoint(ep)
+        key = f"{host}:{port}"
+        if key not in _rpc_regs:
+            try:
+                socket.create_connection((host, port), timeout=timeout).close()
+            except OSError as e:
+                why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+                raise EdgespecError(f"cannot reach the RPC server {key}: {why} (is `rpc-server -H HOST -p {port}` "
+                                    "running there, and the port open?)") from None
+            r = add_server(f"{host}:{port}".encode())
+            if not r:
+                raise EdgespecError(f"the RPC server {key} did not answer llama.cpp's handshake (another version?)")
+            lib.ggml_backend_register(r)
+            _rpc_regs[key] = [lib.ggml_backend_reg_dev_get(r, i) for i in range(lib.ggml_backend_reg_dev_count(r))]
+        devices += _rpc_regs[key]
+    return devices
+
+
+def local_gpu_devices() -> list[int]:
+    """This machine's own GPU devices (not RPC ones), as pointers."""
+    lib = _ggml()
+    if lib is None:
+        return []
+    rpc_devs = {d for devs in _rpc_regs.values() for d in devs}
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        if dev not in rpc_devs and DEVICE_TYPES.get(lib.ggml_backend_dev_type(dev)) in ("gpu", "igpu"):
+            out.append(dev)
+    return out
+
+
+def rpc_in_use() -> bool:
+    return bool(_rpc_regs)

@@ -152,11 +152,11 @@ def guarantee(policy: str, cost: CostModel) -> str:
             f"logits are closer than the measured batch difference (max |delta logit| {margin})")
 
 
-def _key(ctx: Context, n_gpu_layers: int) -> str:
+def _key(ctx: Context, n_gpu_layers: int, tag: str = "") -> str:
     p = ctx.model.path
     st = p.stat()
     return (f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|t{ctx.n_threads}|ngl{n_gpu_layers}|kv{ctx.cfg.kv_type}"
-            f"|{platform.node()}")
+            f"|{platform.node()}" + (f"|rpc{tag}" if tag else ""))
 
 
 def measure(ctx: Context, kv, reps: int = 5) -> CostModel:
@@ -244,8 +244,10 @@ def probe_exact_rows(ctx: Context, kv, seed: int = 1234) -> int:
 
 
 def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layers: int = 0,
-                    quiet: bool = True) -> CostModel:
-    key = _key(ctx, n_gpu_layers)
+                    quiet: bool = True, tag: str = "") -> CostModel:
+    """The cost curve for this model and setup (`tag`: what else sets it apart, e.g. the RPC
+    servers), measured once and cached in `cache_file`."""
+    key = _key(ctx, n_gpu_layers, tag)
     data: dict = {}
     cm = None
     try:

@@ -42,6 +42,8 @@ class EngineConfig:
     pearl_gamma: int = 4
     heads: str | None = None  # a heads file (--heads): Medusa or EAGLE
     exactness: str = "auto"  # auto | strict | batched (see costmodel.resolve_policy)
+    rpc: tuple[str, ...] = ()  # llama.cpp RPC servers (HOST:PORT) for the target's offloaded layers
+    rpc_draft: tuple[str, ...] = ()  # and for the draft model's (default: the draft stays here)
 
 
 class Engine:
@@ -51,8 +53,9 @@ class Engine:
         from .models import cache_root, resolve
 
         self.cfg = cfg
+        target_devs, draft_devs = self._devices()
         # nextn (MTP) layers, where the model has them, are loaded for --spec mtp (one layer more)
-        self.target = Model(resolve(cfg.model, quiet=quiet), cfg.n_gpu_layers, load_mtp=True)
+        self.target = Model(resolve(cfg.model, quiet=quiet), cfg.n_gpu_layers, load_mtp=True, devices=target_devs)
         self.ctx = Context(self.target, self._single_config())
         self.kv = KVSeq(self.ctx)
         self.n_ctx_seq = self.ctx.n_ctx  # tokens per sequence (-c, capped by the model's training length)
@@ -62,17 +65,18 @@ class Engine:
         if cfg.draft:
             from .drafters.draft_model import check_vocab
 
-            self.draft_model = Model(resolve(cfg.draft, quiet=quiet), cfg.n_gpu_layers_draft)
+            self.draft_model = Model(resolve(cfg.draft, quiet=quiet), cfg.n_gpu_layers_draft, devices=draft_devs)
             check_vocab(self.target, self.draft_model)
             self.draft_ctx = Context(
                 self.draft_model, ContextConfig(self.ctx.n_ctx, cfg.n_batch, cfg.threads_draft or cfg.threads, 1, cfg.kv_type)
             )
             self.draft_kv = KVSeq(self.draft_ctx)  # one per context: its token list is the cache's
             self.draft_cost = load_or_measure(self.draft_ctx, self.draft_kv, cache_root() / "costs.json",
-                                              cfg.n_gpu_layers_draft, quiet)
+                                              cfg.n_gpu_layers_draft, quiet, tag=",".join(cfg.rpc_draft))
         self._heads = None  # (path, runtime) once loaded
         self._kinds: set[str] | None = None
-        self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet)
+        self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet,
+                                               tag=",".join(cfg.rpc))
         self._gpu = None  # whether the target runs on a GPU here (asked once, lazily)
         self._note_exactness(quiet)
         if cfg.kv_type != "q8_0":
@@ -80,6 +84,23 @@ class Engine:
                         "on a CPU (past 512 cells): verified batches may differ from plain decoding in the last bits, so greedy "
                         "speculative output can differ from plain at near-ties (the q8_0 default keeps it exact)",
                         cfg.kv_type)
+
+    def _devices(self) -> tuple[list[int] | None, list[int] | None]:
+        """Devices for the target and the draft model: with --rpc the target offloads to those
+        servers (and this machine's GPUs), the draft model only to this machine's GPUs unless
+        --rpc-draft names servers for it. Without RPC: llama.cpp's default (every device)."""
+        cfg = self.cfg
+        if not cfg.rpc and not cfg.rpc_draft:
+            return None, None
+        from .backend import add_rpc_servers, local_gpu_devices
+
+        target = add_rpc_servers(list(cfg.rpc)) if cfg.rpc else []
+        draft = add_rpc_servers(list(cfg.rpc_draft)) if cfg.rpc_draft else []
+        local = local_gpu_devices()
+        if cfg.rpc and cfg.n_gpu_layers == 0:
+            log.warning("--rpc: the target's layers stay here with -ngl 0; -ngl N (or -1: all) offloads them to "
+                        "the RPC servers")
+        return local + target, local + draft
 
     # -- exactness -------------------------------------------------------------------------
 

@@ -56,8 +56,10 @@ def last_log_error() -> str:
 class Model:
     """A loaded GGUF model and its vocabulary."""
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, load_mtp: bool = False):
-        """`load_mtp`: also load the model's nextn (MTP) layers, for an MTP draft context."""
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, load_mtp: bool = False,
+                 devices: list[int] | None = None):
+        """`load_mtp`: also load the model's nextn (MTP) layers, for an MTP draft context;
+        `devices`: ggml devices to offload layers to (None: all; [] none, the CPU only)."""
         backend_init()
         self.info = inspect(path)  # a damaged file gets a clear line before llama.cpp sees it
         self.path = self.info.path
@@ -65,6 +67,9 @@ class Model:
         params.n_gpu_layers = int(n_gpu_layers)
         params.load_mtp = bool(load_mtp)
         self.load_mtp = bool(load_mtp)
+        if devices is not None:  # the devices to offload to (else every one llama.cpp knows)
+            arr = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            params.devices = ctypes.cast(arr, ctypes.c_void_p)
         _LOG.clear()
         ptr = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
@@ -265,6 +270,11 @@ class Context:
             )
         if rc != 0:
             raise EdgespecError(f"llama_decode failed with code {rc}: {last_log_error()}")
+        # On asynchronous backends (a GPU, llama.cpp's RPC) llama_decode returns once the graph
+        # is queued; wait for it here, so that every decode's time is its own (the cost curve,
+        # its online correction, the stats) and not charged to whatever reads the outputs next.
+        # A no-op on the CPU, where the compute is done when llama_decode returns.
+        lc.llama_synchronize(self.ptr)
 
     def logits(self, i: int) -> np.ndarray:
         """A view of the logits of output row `i` of the last decode (valid until the next one)."""

@@ -333,7 +333,7 @@ def test_layout_choice_follows_the_cost_curve():
     from edgespec.schedulers.multi import MultiDecoder
 
     dec = object.__new__(MultiDecoder)
-    dec.n_parallel, dec._zero_steps = 4, 0
+    dec.n_parallel, dec._zero_steps, dec.policy = 4, 0, "strict"
     active = [SimpleNamespace(kv=SimpleNamespace(seq=i, n=100)) for i in range(4)]
     paths = [[0.95, 0.9, 0.85, 0.8, 0.75, 0.7], [0.2], [], [0.3, 0.1]]
     sure = [[0.99] * 8] + paths[1:]

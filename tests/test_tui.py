@@ -172,8 +172,9 @@ class LongSession:
 
 def test_long_streamed_reply_keeps_the_ui_responsive():
     """2,400 tokens streamed at 200 tokens/s, a Markdown block every 8 tokens (360 blocks):
-    typing in the prompt box mid-stream is handled within 0.25 s a key, switching the view
-    (Ctrl+T, both ways) within 2.5 s; both views end with the whole reply."""
+    typing in the prompt box mid-stream is handled within 0.5 s a key, switching the view
+    (Ctrl+T, both ways) within 1 s (measured here: 0.07 s and 0.1-0.3 s; the bounds leave room
+    for a loaded machine); both views end with the whole reply."""
     import time
 
     async def run():
@@ -197,8 +198,8 @@ def test_long_streamed_reply_keeps_the_ui_responsive():
                 assert app.marked != was
             await _wait_idle(app, pilot)
             assert len(typing) >= 4, "the reply ended before the keys were pressed"
-            assert max(typing) < 0.25, f"typing took {typing}"
-            assert max(switching) < 2.5, f"switching views took {switching}"
+            assert max(typing) < 0.5, f"typing took {typing}"
+            assert max(switching) < 1.0, f"switching views took {switching}"
             turn = list(app.query(Turn))[-1]
             if app.marked:
                 await pilot.press("ctrl+t")

@@ -123,7 +123,8 @@ class Turn(Vertical):
         self.marked: bool | None = None  # the view on screen (None: not shown yet)
         self.segments: list[str] = []  # the Markdown view's finished segments
         self._live = ""  # its last segment, still growing
-        self._shown = ""  # text already in the Markdown view
+        self._shown = ""  # text already cut into segments
+        self._n_mounted = 0  # finished segments that have their widget
         self._chunk: Text | None = None  # the marked view's last chunk
         self._n_marked = 0  # tokens already in the marked view
 
@@ -141,32 +142,37 @@ class Turn(Vertical):
         return "".join(self.segments) + self._live
 
     async def show(self, marked: bool) -> None:
-        """Bring the view up to date, rendering only what is new. The Markdown view follows the
-        text even while hidden (cheap: one segment); the marked view catches up when shown."""
+        """Bring the view up to date, rendering only what is new; a hidden view catches up when
+        it is shown again (a few segments or chunks, however long the reply)."""
         md, box = self.query_one(".md", Vertical), self.query_one(".marked", Vertical)
         if marked != self.marked:
             md.display, box.display = not marked, marked
             self.marked = marked
-        if marked:
-            await self._append_marked(box)
         if self.text != self._shown:
             if not self.text.startswith(self._shown):  # cannot happen today: redraw from scratch
                 await md.remove_children()
-                self.segments, self._live, self._shown = [], "", ""
-            await self._append_markdown(md, self.text[len(self._shown):])
+                self.segments, self._live, self._shown, self._n_mounted = [], "", "", 0
+            self._live += self.text[len(self._shown):]
             self._shown = self.text
+            while (cut := split_segment(self._live, CHUNK_CHARS)) is not None:
+                done, self._live = cut
+                self.segments.append(done)
+        if marked:
+            await self._append_marked(box)
+        else:
+            await self._render_markdown(md)
 
     async def finish(self) -> None:
         """The reply is complete (kept for symmetry with views that buffer)."""
 
-    async def _append_markdown(self, md: Vertical, delta: str) -> None:
+    async def _render_markdown(self, md: Vertical) -> None:
+        """Segments finished since the last render get their widget (the live one becomes the
+        first of them), and the live segment is rendered again."""
         if not md.children:
             await md.mount(Static(""))
-        self._live += delta
-        while (cut := split_segment(self._live, CHUNK_CHARS)) is not None:
-            done, self._live = cut
-            self.segments.append(done)
-            md.children[-1].update(RichMarkdown(done))
+        while self._n_mounted < len(self.segments):
+            md.children[-1].update(RichMarkdown(self.segments[self._n_mounted]))
+            self._n_mounted += 1
             await md.mount(Static(""))
         md.children[-1].update(RichMarkdown(self._live))
 

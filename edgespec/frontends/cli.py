@@ -27,6 +27,11 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smo
     g.add_argument("-ngld", "--n-gpu-layers-draft", dest="ngld", type=int, default=0, help="draft layers offloaded to the GPU (default: 0)")
     g.add_argument("--kv-type", default="q8_0", choices=["q8_0", "f16", "bf16"],
                    help="KV cache type (default: %(default)s, which keeps greedy speculation bit-exact on a CPU)")
+    g.add_argument("--rpc", default=None, metavar="HOST:PORT,...",
+                   help="llama.cpp RPC servers (`rpc-server`) that lend their CPU or GPU to the target: -ngl N then "
+                        "offloads its layers to them; the drafter stays on this machine")
+    g.add_argument("--rpc-draft", default=None, metavar="HOST:PORT,...",
+                   help="RPC servers for the draft model's offloaded layers (-ngld) (default: none, it stays here)")
     g.add_argument("--exactness", default="auto", choices=["auto", "strict", "batched"],
                    help="strict: verify only as many rows as the load probe found bit-identical to one-row decodes "
                         "(greedy output identical to plain); batched: verify in batches anyway, taking the backend's "
@@ -233,11 +238,23 @@ def _engine_config(a):
         model=a.model, draft=a.draft, n_ctx=a.n_ctx, threads=a.threads, threads_draft=a.threads_draft,
         n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngld, draft_n_max=a.draft_n_max, draft_n_min=a.draft_n_min,
         draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=a.kv_type,
-        exactness=a.exactness,
+        exactness=a.exactness, rpc=_endpoints(getattr(a, "rpc", None)),
+        rpc_draft=_endpoints(getattr(a, "rpc_draft", None)),
         # chains need one sequence; only trees borrow more (and a multi-sequence cache costs a little)
         max_branches=8 if methods.get(getattr(a, "spec", "auto")).trees else 1,
         pearl_gamma=getattr(a, "pearl_gamma", 4), heads=getattr(a, "heads", None),
     )
+
+
+def _endpoints(text: str | None) -> tuple[str, ...]:
+    from ..backend import parse_endpoint
+
+    if not text:
+        return ()
+    eps = tuple(x.strip() for x in text.split(",") if x.strip())
+    for ep in eps:
+        parse_endpoint(ep)  # one clear line before anything loads
+    return eps
 
 
 def _read_prompt(a) -> str:
