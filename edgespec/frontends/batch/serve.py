@@ -116,7 +116,7 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
         from ...schedulers.multi import Job, MultiDecoder
 
         dec = MultiDecoder(engine, n_parallel, method, quiet=quiet)
-        texts: dict[int, TextStream] = {}
+        texts: dict[int, TextStream] = {}  # by id of the Job, which error events carry too
 
         def jobs() -> Iterator[Job | None]:
             for req in reqs:
@@ -133,9 +133,9 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
             for kind, g, x in events:
                 if kind == "step":
                     req = g.job.tag
-                    text = texts.get(id(g))
+                    text = texts.get(id(g.job))
                     if text is None:
-                        text = texts[id(g)] = TextStream(engine.target, req.stop)
+                        text = texts[id(g.job)] = TextStream(engine.target, req.stop)
                     if on_step:
                         on_step(x)
                     piece = text.feed(x.tokens)
@@ -145,8 +145,8 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
                         g.stop()
                 elif kind == "done":
                     totals.active -= 1
-                    finished(g.job.tag, g, texts.pop(id(g)))
-                else:
+                    finished(g.job.tag, g, texts.pop(id(g.job)))
+                else:  # here `g` is the request's Job
                     totals.active -= 1
                     texts.pop(id(g), None)
                     fail(g.tag, failure(x))
