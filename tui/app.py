@@ -1,12 +1,13 @@
 """`edgespec chat`: a Textual chat UI with live speculative-decoding statistics.
 
-The app takes a ChatSession (core, no Textual) and runs each reply in a worker thread. The
-worker only posts messages; step events are merged so the screen refreshes a few times a second
-however fast tokens come. Rendering is incremental, so its cost per refresh does not grow with
-the reply: the Markdown view streams (Textual's MarkdownStream re-parses only the last block),
-the marked-drafts view appends to its last chunk. The refresh interval adapts so the UI thread
-takes at most about a tenth of one core (measured as its CPU time per second of generation, shown
-as "ui" in the stats panel), leaving the cores to llama.cpp.
+The app takes a ChatSession (core, no Textual) and runs each reply in one generation thread.
+That thread only posts messages; step events are merged so the screen updates a few times a
+second however fast tokens come. Rendering is incremental, so its cost per update does not grow
+with the reply: the Markdown view is a column of segments rendered by rich, of which only the
+last is rendered again; the marked-drafts view appends to its last chunk. The interval between
+updates follows their measured CPU cost, so the UI thread takes about UI_SHARE of one core (its
+CPU time per second of the reply is shown as "ui" in the stats panel), leaving the cores to
+llama.cpp.
 """
 
 from __future__ import annotations
@@ -162,9 +163,6 @@ class Turn(Vertical):
         else:
             await self._render_markdown(md)
 
-    async def finish(self) -> None:
-        """The reply is complete (kept for symmetry with views that buffer)."""
-
     async def _render_markdown(self, md: Vertical) -> None:
         """Segments finished since the last render get their widget (the live one becomes the
         first of them), and the live segment is rendered again."""
@@ -301,7 +299,7 @@ class ChatApp(App):
         self._exactness: str | None = None  # the session's exactness policy, read once
         self.refresh_s = REFRESH_S  # interval between screen updates, adapted to the UI's load
         self._t0 = (0.0, 0.0)  # (wall, UI thread CPU) when the reply started
-        self._window = (0.0, 0.0)  # the same at the start of the current adaptation window
+        self._window = (0.0, 0.0)  # the same at the last update
         self.ui_share: float | None = None  # UI thread CPU seconds per second of this reply
         self._cost: float | None = None  # UI thread CPU seconds per screen update (average)
 
@@ -428,8 +426,6 @@ class ChatApp(App):
             self.reply_stats = r.stats
             state = "stopped" if r.stopped else "done"
             self.set_status(f"{state}: {r.stats.summary()}")
-        if self.current is not None:
-            await self.current.finish()
         self._measure_ui()
         self.current = None
         self._refresh_stats(0.0)
