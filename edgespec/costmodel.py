@@ -201,6 +201,8 @@ def measure(ctx: Context, kv, reps: int = 5) -> CostModel:
 
 
 PROBE_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
+LONG_PROBE = 600  # cells of context for the probe's second stage (past llama.cpp's 512-cell switch)
+PROBE_VERSION = 2  # records probed by an older version are probed again
 
 
 def probe_exactness(ctx: Context, kv, seed: int = 1234) -> tuple[int, float]:
@@ -217,23 +219,44 @@ def probe_exactness(ctx: Context, kv, seed: int = 1234) -> tuple[int, float]:
 
     rng = np.random.default_rng(seed)
     n_vocab = ctx.model.n_vocab
-    prefix_len = min(24, ctx.n_ctx // 4)
     limit, worst, exact = 1, 0.0, True
+
+    def compare(prefix: list[int], rows: list[int]) -> float:
+        """Decode `rows` after `prefix` at once and one by one; the largest |logit difference|."""
+        if kv.tokens != prefix:
+            kv.reset()
+            kv.extend(prefix, want_logits=False)
+        kv.extend(rows, all_rows=True)
+        batched = [ctx.logits(i).copy() for i in range(len(rows))]
+        kv.truncate(len(prefix))
+        diff = max(float(np.max(np.abs(ctx.logits(kv.extend([t])) - batched[i]))) for i, t in enumerate(rows))
+        kv.truncate(len(prefix))
+        return diff
+
+    # A short context (a fresh random prefix per size), then a long one: llama.cpp's CPU attention
+    # changes paths for one row past 512 cells with some cache types (see llama.KV_TYPES).
+    long_len = min(LONG_PROBE, ctx.n_ctx - PROBE_ROWS[-1] - 1)
+    long_prefix = [int(x) for x in rng.integers(1, n_vocab, max(0, long_len))]
     for b in PROBE_ROWS:
-        if prefix_len + b > min(ctx.n_ctx, ctx.n_batch):
+        prefix = [int(x) for x in rng.integers(1, n_vocab, min(24, ctx.n_ctx // 4))]
+        if len(prefix) + b > ctx.n_ctx or b > ctx.n_batch:
             break
-        toks = [int(x) for x in rng.integers(1, n_vocab, prefix_len + b)]
-        kv.reset()
-        kv.extend(toks[:prefix_len], want_logits=False)
-        kv.extend(toks[prefix_len:], all_rows=True)
-        batched = [ctx.logits(i).copy() for i in range(b)]
-        kv.truncate(prefix_len)
-        diff = max(float(np.max(np.abs(ctx.logits(kv.extend([t])) - batched[i])))
-                   for i, t in enumerate(toks[prefix_len:]))
+        diff = compare(prefix, [int(x) for x in rng.integers(1, n_vocab, b)])
         worst = max(worst, diff)
         exact = exact and diff == 0.0
         if exact:
             limit = b
+    if long_len >= 520:
+        last = 1
+        for b in PROBE_ROWS:
+            if b > limit:
+                break
+            diff = compare(long_prefix, [int(x) for x in rng.integers(1, n_vocab, b)])
+            worst = max(worst, diff)
+            if diff != 0.0:
+                limit = last
+                break
+            last = b
     kv.reset()
     return limit, worst
 
@@ -256,18 +279,18 @@ def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layer
         rec = data.get(key)
         if rec:
             cm = CostModel.from_dict(rec)
-            if "batch_logit_diff" in rec:
+            if rec.get("probe") == PROBE_VERSION:
                 return cm
     except (OSError, ValueError, KeyError, TypeError):
         data, cm = {}, None
-    if cm is not None:  # a record from before the probe measured its near-tie margin
+    if cm is not None:  # a record from an older probe (no near-tie margin, no long context)
         cm.max_exact_rows, cm.batch_logit_diff = probe_exactness(ctx, kv)
     else:
         if not quiet:
             log.info("measuring what verifying k tokens costs on this machine (%s, %d threads; once, then cached)",
                      ctx.model.path.name, ctx.n_threads, extra={"progress": True})
         cm = measure(ctx, kv)
-    data[key] = cm.to_dict()
+    data[key] = {**cm.to_dict(), "probe": PROBE_VERSION}
     try:
         os.makedirs(os.path.dirname(cache_file), exist_ok=True)
         tmp = f"{cache_file}.tmp-{os.getpid()}"

@@ -16,7 +16,7 @@ from .drafters.base import Drafter, NullDrafter
 from .errors import EdgespecError
 from .kv import KVSeq
 from .lifecycle import Lifecycle
-from .llama import Context, ContextConfig, Model
+from .llama import Context, ContextConfig, Model, kv_paths_agree
 from .sampling import SamplingConfig
 from .schedulers.sequential import Generation
 
@@ -38,7 +38,7 @@ class EngineConfig:
     draft_p_min: float = 0.0
     lookahead_cache: str | None = None
     max_branches: int = 8
-    kv_type: str = "q8_0"
+    kv_type: str = "q8_0/f16"  # K/V cache types (llama.kv_types)
     pearl_gamma: int = 4
     heads: str | None = None  # a heads file (--heads): Medusa or EAGLE
     exactness: str = "auto"  # auto | strict | batched (see costmodel.resolve_policy)
@@ -79,11 +79,11 @@ class Engine:
                                                tag=",".join(cfg.rpc))
         self._gpu = None  # whether the target runs on a GPU here (asked once, lazily)
         self._note_exactness(quiet)
-        if cfg.kv_type != "q8_0":
-            log.warning("with an %s KV cache, llama.cpp takes other attention kernels for one row and for many "
-                        "on a CPU (past 512 cells): verified batches may differ from plain decoding in the last bits, so greedy "
-                        "speculative output can differ from plain at near-ties (the q8_0 default keeps it exact)",
-                        cfg.kv_type)
+        if not kv_paths_agree(cfg.kv_type) and self.cost.max_exact_rows <= 1 and self.policy == "strict":
+            log.warning("with an %s KV cache, llama.cpp's CPU attention takes one kernel for one row and another for "
+                        "many past 512 cells (the probe found no batch bit-identical to one-row decodes): "
+                        "speculation then verifies one row at a time; a q8_0 K cache (the q8_0/f16 default) keeps "
+                        "batches exact", cfg.kv_type)
 
     def _devices(self) -> tuple[list[int] | None, list[int] | None]:
         """Devices for the target and the draft model: with --rpc the target offloads to those

@@ -17,6 +17,7 @@ import numpy as np
 
 from .errors import ContextFullError, EdgespecError, ModelError
 from .gguf_check import inspect
+from .kvtypes import DEFAULT_KV, KV_TYPES, kv_paths_agree, kv_spec, kv_types  # noqa: F401 (re-exported)
 
 import llama_cpp as lc  # noqa: E402  (imports after our own modules on purpose: it prints nothing)
 
@@ -171,20 +172,13 @@ class ContextConfig:
     n_batch: int = 512
     n_threads: int = 0  # 0: all cores
     n_seq_max: int = 16  # tree drafts use one sequence id per branch
-    kv_type: str = "q8_0"  # see KV_TYPES
+    kv_type: str = "q8_0/f16"  # K type, or K/V types (see KV_TYPES, kv_types)
     # One cache shared by all sequence ids (tree branches need it), or one stream of n_ctx/n_seq_max
     # cells per sequence (batch decoding: a sequence's cells then stay in position order, which
     # keeps its logits bit-identical to decoding it alone). None: unified when n_seq_max > 1.
     unified: bool | None = None
     ctx_type: int = 0  # llama_context_type: 0 the model's own graph, LLAMA_CONTEXT_TYPE_MTP its nextn layers
     other: int | None = None  # llama_context* a draft context reads (EAGLE-3: the target's), as an address
-
-
-# KV cache types. q8_0 is the default because it keeps greedy speculation bit-exact on a CPU: with
-# an f16/f32 cache, llama.cpp's CPU flash attention takes a split-KV path for single-token decodes
-# once 512 cells are in use, whose summation order differs from the batched path, so a verified
-# batch can differ from plain decoding in the last bits (and flip a near-tie) past 256 tokens.
-KV_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30}
 
 
 def default_threads() -> int:
@@ -207,9 +201,8 @@ class Context:
         p.n_threads = threads
         p.n_threads_batch = threads
         p.no_perf = True
-        if cfg.kv_type not in KV_TYPES:
-            raise EdgespecError(f"unknown KV cache type {cfg.kv_type!r}; choose one of {', '.join(KV_TYPES)}")
-        p.type_k = p.type_v = KV_TYPES[cfg.kv_type]
+        k_type, v_type = kv_types(cfg.kv_type)
+        p.type_k, p.type_v = KV_TYPES[k_type], KV_TYPES[v_type]
         # Rollback needs the whole sliding-window cache (Gemma 3): a pruned window cannot be undone.
         p.swa_full = True
         # Tree branches share the prompt's cells; one unified cache makes that a metadata copy.

@@ -203,7 +203,21 @@ def test_vocabularies_are_compared_token_by_token():
 def test_kv_type_f16_says_what_it_costs():
     r = es("run", "-m", SMOL, "-p", "hi", "-n", "2", "--kv-type", "f16", "--spec", "none")
     assert r.returncode == 0, r.stderr
-    assert "f16 KV cache" in r.stderr and "may differ from plain decoding" in r.stderr
+    assert "f16 KV cache" in r.stderr and "verifies one row at a time" in r.stderr
+
+
+def test_kv_types_k_and_v():
+    """-ctk/-ctv as llama.cpp spells them, --kv-type K/V, and one clear line for a bad type."""
+    from edgespec.frontends.cli import build_parser, kv_setting
+
+    ap = build_parser()
+    assert kv_setting(ap.parse_args(["run", "-p", "x"])) == "q8_0/f16"
+    assert kv_setting(ap.parse_args(["run", "-p", "x", "--kv-type", "f16"])) == "f16"
+    assert kv_setting(ap.parse_args(["run", "-p", "x", "--kv-type", "q8_0/q8_0"])) == "q8_0"
+    assert kv_setting(ap.parse_args(["run", "-p", "x", "-ctv", "q8_0"])) == "q8_0"
+    assert kv_setting(ap.parse_args(["run", "-p", "x", "--kv-type", "f16", "-ctk", "q8_0"])) == "q8_0/f16"
+    r = es("run", "-p", "hi", "--kv-type", "q8_0/q5_1")
+    assert r.returncode == 2 and "unknown KV cache type 'q5_1'" in r.stderr
 
 
 def test_registry_is_the_one_list_of_methods():

@@ -39,7 +39,7 @@ from .. import llama_ext
 from ..draft import Draft
 from ..errors import EdgespecError, VocabMismatchError
 from ..heads.format import HeadsError
-from ..llama import Context, ContextConfig, Model, last_log_error
+from ..llama import DEFAULT_KV, Context, ContextConfig, Model, last_log_error
 from .base import Budget, Calibration, TokenTimed
 from .heads import _top, select
 
@@ -62,7 +62,7 @@ class Eagle3Runtime:
     llama_batch_ext: made once per engine target context, shared by its generations."""
 
     def __init__(self, target: Model, target_ctx: Context, path: str | Path, n_gpu_layers: int = 0,
-                 threads: int = 0, kv_type: str = "q8_0", n_seq_max: int = 9):
+                 threads: int = 0, kv_type: str = DEFAULT_KV, n_seq_max: int = 9):
         self.path = Path(path)
         if target.arch not in LAYER_INPUT_ARCHS:
             raise HeadsError(f"EAGLE-3 needs the target's layer inputs, which llama.cpp records only for "

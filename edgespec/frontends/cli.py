@@ -11,6 +11,7 @@ import sys
 
 from .. import __version__, methods
 from ..errors import EdgespecError
+from ..kvtypes import DEFAULT_KV, KV_TYPES, kv_spec, kv_types
 
 EXIT_INTERRUPTED = 130
 
@@ -25,8 +26,13 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smo
     g.add_argument("-td", "--threads-draft", type=int, default=0, help="threads for the draft model (default: as -t)")
     g.add_argument("-ngl", "--n-gpu-layers", dest="ngl", type=int, default=0, help="target layers offloaded to the GPU (default: 0)")
     g.add_argument("-ngld", "--n-gpu-layers-draft", dest="ngld", type=int, default=0, help="draft layers offloaded to the GPU (default: 0)")
-    g.add_argument("--kv-type", default="q8_0", choices=["q8_0", "f16", "bf16"],
-                   help="KV cache type (default: %(default)s, which keeps greedy speculation bit-exact on a CPU)")
+    g.add_argument("--kv-type", default=None, type=_kv_arg, metavar="T|K/V",
+                   help="KV cache types: one for K and V, or K/V, from q8_0, f16, bf16 (default: q8_0/f16, the "
+                        "fastest here, and batches stay bit-exact on a CPU because K and V types differ)")
+    g.add_argument("-ctk", "--cache-type-k", dest="cache_type_k", default=None, choices=list(KV_TYPES),
+                   help="K cache type (as llama.cpp's -ctk; overrides --kv-type's K)")
+    g.add_argument("-ctv", "--cache-type-v", dest="cache_type_v", default=None, choices=list(KV_TYPES),
+                   help="V cache type (as llama.cpp's -ctv; overrides --kv-type's V)")
     g.add_argument("--rpc", default=None, metavar="HOST:PORT,...",
                    help="llama.cpp RPC servers (`rpc-server`) that lend their CPU or GPU to the target: -ngl N then "
                         "offloads its layers to them; the drafter stays on this machine")
@@ -37,6 +43,19 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smo
                         "(greedy output identical to plain); batched: verify in batches anyway, taking the backend's "
                         "batched numerics as the model's (the distribution exact, greedy equal except at near-ties); "
                         "auto: strict on a CPU, batched on a GPU whose batches are exact below 4 rows (default: auto)")
+
+
+def _kv_arg(text: str) -> str:
+    try:
+        return kv_spec(*kv_types(text))
+    except EdgespecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def kv_setting(a) -> str:
+    """The K/V cache types from --kv-type, -ctk and -ctv (llama.kv_spec spelling)."""
+    k, v = kv_types(getattr(a, "kv_type", None) or DEFAULT_KV)
+    return kv_spec(getattr(a, "cache_type_k", None) or k, getattr(a, "cache_type_v", None) or v)
 
 
 def _add_spec_args(p: argparse.ArgumentParser, default_spec: str = "auto") -> None:
@@ -237,7 +256,7 @@ def _engine_config(a):
     return EngineConfig(
         model=a.model, draft=a.draft, n_ctx=a.n_ctx, threads=a.threads, threads_draft=a.threads_draft,
         n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngld, draft_n_max=a.draft_n_max, draft_n_min=a.draft_n_min,
-        draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=a.kv_type,
+        draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=kv_setting(a),
         exactness=a.exactness, rpc=_endpoints(getattr(a, "rpc", None)),
         rpc_draft=_endpoints(getattr(a, "rpc_draft", None)),
         # chains need one sequence; only trees borrow more (and a multi-sequence cache costs a little)

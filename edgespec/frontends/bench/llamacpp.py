@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from ...errors import EdgespecError
+from ...kvtypes import kv_types
 
 
 _EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
@@ -32,7 +33,7 @@ def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0) -> list[dict
                 if not path.exists():
                     raise EdgespecError(f"{path} not found (build it with shared/tools/build-llama-cpp-tools.sh)")
                 cmd = [str(path), "-m", str(eng.target.path), "-f", pf, "-n", str(n), "--temp", "0",
-                       "-t", str(eng.ctx.n_threads), "-c", str(eng.ctx.n_ctx), "-ctk", cfg.kv_type, "-ctv", cfg.kv_type,
+                       "-t", str(eng.ctx.n_threads), "-c", str(eng.ctx.n_ctx), "-ctk", kv_types(cfg.kv_type)[0], "-ctv", kv_types(cfg.kv_type)[1],
                        *extra]
                 t0 = time.perf_counter()
                 r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
