@@ -26,8 +26,9 @@ KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 class CostModel:
     """t(k, n): seconds to decode k rows (all with logits) after n cached tokens.
 
-    The weights part is measured per k on a short context; attention adds a cost per row and
-    per cached token (on a CPU it dominates long contexts: every row attends to all of them).
+    The weights part is measured per k on a short context; attention adds a cost per cached
+    token, `attn0 + attn * k` (on a CPU it dominates long contexts: every row attends to all of
+    them; one row alone pays more per token than each row of a batch, hence the intercept).
     """
 
     ks: tuple[int, ...]
@@ -42,6 +43,7 @@ class CostModel:
     # sizes (0.0: exact at every size; None: not measured): the near-tie margin within which
     # greedy output may differ under the `batched` exactness policy.
     batch_logit_diff: float | None = None
+    attn0: float = 0.0  # extra seconds per cached token beyond n0 whatever the rows (see measure)
 
     def __post_init__(self) -> None:
         # Online correction, measured/predicted, for one-row and many-row decodes: a curve
@@ -53,7 +55,7 @@ class CostModel:
 
     def predict(self, k: int, n_past: int = 0) -> float:
         ks, ts = self.ks, self.ts
-        extra = self.attn * k * max(0, n_past - self.n0)
+        extra = (self.attn0 + self.attn * k) * max(0, n_past - self.n0)
         if k <= ks[0]:
             return ts[0] + extra
         for i in range(1, len(ks)):
@@ -69,7 +71,8 @@ class CostModel:
         return self.predict_multi(rows, row_tokens) * self.ratio[0 if rows <= 1 else 1]
 
     def predict_multi(self, rows: int, row_tokens: int) -> float:
-        return self.predict(rows, 0) + self.attn * max(0, row_tokens - rows * self.n0)
+        extra = max(0, row_tokens - rows * self.n0)
+        return self.predict(rows, 0) + (self.attn + self.attn0 / max(1, rows)) * extra
 
     def observe(self, k: int, n_past: int, seconds: float, predicted: float | None = None) -> None:
         """Fold a measured decode of k rows into the correction (robust to outliers)."""
@@ -99,13 +102,15 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"k": list(self.ks), "ms": [round(t * 1e3, 3) for t in self.ts],
-                "attn_us_per_row_per_token": round(self.attn * 1e6, 5), "n0": self.n0,
+                "attn_us_per_row_per_token": round(self.attn * 1e6, 5),
+                "attn0_us_per_token": round(self.attn0 * 1e6, 5), "n0": self.n0,
                 "max_exact_rows": self.max_exact_rows, "batch_logit_diff": self.batch_logit_diff}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         return cls(tuple(d["k"]), tuple(t / 1e3 for t in d["ms"]), d["attn_us_per_row_per_token"] / 1e6, d["n0"],
-                   d["max_exact_rows"], batch_logit_diff=d.get("batch_logit_diff"))
+                   d["max_exact_rows"], batch_logit_diff=d.get("batch_logit_diff"),
+                   attn0=d.get("attn0_us_per_token", 0.0) / 1e6)
 
 
 def flat(seconds: float = 0.01, max_exact_rows: int = 1 << 30, batch_logit_diff: float | None = None) -> CostModel:
@@ -182,22 +187,25 @@ def measure(ctx: Context, kv, reps: int = 5) -> CostModel:
         for k in ks:
             best[k] = min(best[k], timed(k))
     ts = [best[k] for k in ks]
-    # The attention term: the same sizes again after a long context.
+    # The attention term: one row and eight again after a long context, interleaved as above.
+    # Extra time per cached token is attn0 + attn * k; two sizes give both.
     long_n = min(1024, ctx.n_ctx - 16)
-    attn = 0.0
-    if long_n > 4 * prefix:
+    attn = attn0 = 0.0
+    if long_n > 4 * prefix and 8 in best:
         kv.extend([tok] * (long_n - prefix), want_logits=False)
-        per = []
-        for k in (1, 8):
-            b = min(timed(k) for _ in range(max(2, reps // 2)))
-            per.append(max(0.0, b - best[k]) / (k * (long_n - prefix)))
-        attn = sum(per) / len(per)
+        far = {1: float("inf"), 8: float("inf")}
+        for _ in range(reps):
+            for k in far:
+                far[k] = min(far[k], timed(k))
+        per = {k: max(0.0, far[k] - best[k]) / (long_n - prefix) for k in far}  # per cached token
+        attn = max(0.0, (per[8] - per[1]) / 7)
+        attn0 = max(0.0, per[1] - attn)
     kv.reset()
     # Costs are monotone in k; noise on a shared machine is not.
     for i in range(1, len(ts)):
         ts[i] = max(ts[i], ts[i - 1])
     limit, diff = probe_exactness(ctx, kv)
-    return CostModel(ks, tuple(ts), attn, prefix, limit, batch_logit_diff=diff)
+    return CostModel(ks, tuple(ts), attn, prefix, limit, batch_logit_diff=diff, attn0=attn0)
 
 
 PROBE_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
@@ -277,6 +285,8 @@ def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layer
         with open(cache_file) as f:
             data = json.load(f)
         rec = data.get(key)
+        if rec and "attn0_us_per_token" not in rec:
+            rec = None  # measured before the attention intercept: measure again
         if rec:
             cm = CostModel.from_dict(rec)
             if rec.get("probe") == PROBE_VERSION:

@@ -79,6 +79,15 @@ def test_suite_parsing(tmp_path):
     assert parse_jsonl('{"prompt": "hi"}\n\n', "t")[0]["category"] == "default"
     assert bench.parse_eval_tps("llama_perf:        eval time =     100.00 ms /    10 runs") == pytest.approx(100.0)
     assert bench.parse_eval_tps("decoded   65 tokens in    0.500 seconds, speed: 130 t/s") == pytest.approx(130.0)
+    # wall time as ours is counted: llama-completion's eval time leaves out sampling and the loop
+    from edgespec.frontends.bench.llamacpp import parse_gen_tps
+
+    log = ("common_perf_print:    sampling time =       3.18 ms\n"
+           "common_perf_print: prompt eval time =      21.92 ms /     6 tokens\n"
+           "common_perf_print:        eval time =     119.74 ms /    12 runs\n"
+           "common_perf_print:       total time =     146.09 ms /    18 tokens\n")
+    assert parse_gen_tps(log) == pytest.approx(12 / 0.12417)
+    assert bench.parse_eval_tps(log) == pytest.approx(12 / 0.11974)
 
 
 def test_external_suites_from_wheels():

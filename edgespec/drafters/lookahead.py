@@ -17,6 +17,10 @@ from .base import Budget, Calibration
 
 log = logging.getLogger(__name__)
 
+# Branch length in the trie: a match of up to 8 tokens leaves 16 to draft (llama-lookup drafts up
+# to 16 too); measured on the rag prompts, 16 gave a mean accepted length of 2.9, 24 of 3.5.
+WINDOW = 24
+
 
 class LookaheadDrafter:
     name = "lookahead"
@@ -24,7 +28,7 @@ class LookaheadDrafter:
 
     def __init__(
         self,
-        window: int = 16,
+        window: int = WINDOW,
         max_match: int = 8,
         max_nodes: int = 32,
         max_branches: int = 8,
@@ -97,7 +101,7 @@ class SharedLookahead:
         release_and_save(self.trie, self.cache_path)
 
 
-def load_trie(cache_path: Path | None, window: int = 16) -> TokenTrie:
+def load_trie(cache_path: Path | None, window: int = WINDOW) -> TokenTrie:
     """The trie saved at `cache_path` (`--lookahead-cache`), or a new one."""
     if cache_path and cache_path.exists():
         try:

@@ -202,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "number of sequences per decode, e.g. 1,4")
     b.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
                    help="also run llama.cpp's llama-completion and llama-lookup from DIR on the same prompts")
+    b.add_argument("--llama-cpp-kv", default=None, metavar="default|T|K/V",
+                   type=lambda t: t if t == "default" else _kv_arg(t),
+                   help="KV cache types for llama.cpp's tools: default (theirs, f16, as a user runs them) or types "
+                        "(default: the same as ours)")
     _add_model_args(b)
     g = b.add_argument_group("draft model")
     g.add_argument("--spec-draft-n-max", "--draft-max", dest="draft_n_max", type=int, default=16)

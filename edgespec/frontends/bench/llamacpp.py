@@ -15,12 +15,17 @@ from ...kvtypes import kv_types
 
 
 _EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
+_TOTAL = re.compile(r"total time =\s*([\d.]+) ms")
+_PROMPT = re.compile(r"prompt eval time =\s*([\d.]+) ms")
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 
 
-def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0) -> list[dict]:
-    """llama.cpp's own llama-completion (plain) and llama-lookup on the same formatted prompts."""
+def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0, kv: str | None = None) -> list[dict]:
+    """llama.cpp's own llama-completion (plain) and llama-lookup on the same formatted prompts,
+    with our KV cache types, or `kv` ("default": llama.cpp's own, f16; or T or K/V)."""
     bind = Path(bin_dir)
+    kv = kv or cfg.kv_type
+    kv_args = [] if kv == "default" else ["-ctk", kv_types(kv)[0], "-ctv", kv_types(kv)[1]]
     rows = []
     for item, toks, n in prompts:
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
@@ -33,17 +38,17 @@ def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0) -> list[dict
                 if not path.exists():
                     raise EdgespecError(f"{path} not found (build it with shared/tools/build-llama-cpp-tools.sh)")
                 cmd = [str(path), "-m", str(eng.target.path), "-f", pf, "-n", str(n), "--temp", "0",
-                       "-t", str(eng.ctx.n_threads), "-c", str(eng.ctx.n_ctx), "-ctk", kv_types(cfg.kv_type)[0], "-ctv", kv_types(cfg.kv_type)[1],
-                       *extra]
+                       "-t", str(eng.ctx.n_threads), "-c", str(eng.ctx.n_ctx), *kv_args, *extra]
                 t0 = time.perf_counter()
                 r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
-                tps = parse_eval_tps(r.stderr + r.stdout)
+                tps = parse_gen_tps(r.stderr + r.stdout)
                 if tps is None:
                     tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
                     print(f"edgespec: {exe} gave no timing on {item['id']}: {tail}", file=sys.stderr)
                     continue
                 rows.append({"id": item["id"], "category": item["category"], "method": name, "repeat": repeat,
-                             "tokens_per_s": tps, "n_generated": parse_eval_count(r.stderr + r.stdout),
+                             "tokens_per_s": tps, "eval_tokens_per_s": parse_eval_tps(r.stderr + r.stdout),
+                             "kv_type": kv, "n_generated": parse_eval_count(r.stderr + r.stdout),
                              "wall_s": time.perf_counter() - t0, "match": None})
         finally:
             os.unlink(pf)
@@ -60,6 +65,23 @@ def parse_eval_count(text: str) -> int | None:
         if m and "prompt eval time" not in line:
             return int(m.group(2))
     return None
+
+
+def parse_gen_tps(text: str) -> float | None:
+    """Generation tokens/s over wall time, as edgespec counts its own (tokens after the first,
+    over the time from the first to the last): llama-lookup's `decoded N tokens in X seconds`
+    is that already; for llama-completion, its `N runs` over `total time` less `prompt eval
+    time` (the eval time it prints leaves out sampling and the loop around the decodes)."""
+    if _DECODED.search(text):
+        return parse_eval_tps(text)
+    total = _TOTAL.search(text)
+    prompt = _PROMPT.search(text)
+    runs = parse_eval_count(text)
+    if total and prompt and runs:
+        sec = (float(total.group(1)) - float(prompt.group(1))) / 1e3
+        if sec > 0:
+            return runs / sec
+    return parse_eval_tps(text)
 
 
 def parse_eval_tps(text: str) -> float | None:

@@ -75,7 +75,8 @@ def run_bench(a, engine_cfg) -> int:
                                     "match": match, **g.stats.to_dict()})
                     prog.update(task, advance=1, info=f"{item['id']} {m} {g.stats.tokens_per_s:.0f} tok/s")
                 if getattr(a, "llama_cpp_bin", None):  # interleaved too, right after ours
-                    records.extend(run_llama_cpp(a.llama_cpp_bin, eng, [(item, toks, n)], engine_cfg, rep))
+                    records.extend(run_llama_cpp(a.llama_cpp_bin, eng, [(item, toks, n)], engine_cfg, rep,
+                                                 getattr(a, "llama_cpp_kv", None)))
 
     order = methods + sorted({r["method"] for r in records} - set(methods), reverse=True)
     n_past = int(sum(len(t) for _, t, _ in prompts) / len(prompts))
@@ -83,6 +84,7 @@ def run_bench(a, engine_cfg) -> int:
     report["exactness"] = eng.exactness_info()
     report["config"] = {
         "model": engine_cfg.model, "draft": engine_cfg.draft, "threads": eng.ctx.n_threads, "kv_type": engine_cfg.kv_type,
+        "llama_cpp_kv": getattr(a, "llama_cpp_kv", None) or engine_cfg.kv_type,
         "n_predict": a.n_predict, "repeat": a.repeat, "suite": a.suite or "built-in", "prompts": len(prompts),
         "methods": methods,
     }
