@@ -74,6 +74,7 @@ class Engine:
             self.draft_cost = load_or_measure(self.draft_ctx, self.draft_kv, cache_root() / "costs.json",
                                               cfg.n_gpu_layers_draft, quiet, tag=",".join(cfg.rpc_draft))
         self._heads = None  # (path, runtime) once loaded
+        self.lookahead_calib = None  # lookahead's learned acceptance per match length (methods._lookahead)
         self._kinds: set[str] | None = None
         self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet,
                                                tag=",".join(cfg.rpc))

@@ -56,11 +56,16 @@ def _ngram(engine, opt):
 
 
 def _lookahead(engine, opt):
-    from .drafters.lookahead import LookaheadDrafter
+    from .drafters.lookahead import LookaheadDrafter, new_calibration
 
     if opt.shared is not None:
         return opt.shared.drafter(opt.max_branches)
-    return LookaheadDrafter(cache_path=engine.cfg.lookahead_cache, max_branches=opt.max_branches)
+    # what the target accepted after each match length is learned across the engine's generations
+    # (a chat's turns, a bench's prompts), as batch mode shares it across requests
+    if engine.lookahead_calib is None:
+        engine.lookahead_calib = new_calibration()
+    return LookaheadDrafter(cache_path=engine.cfg.lookahead_cache, max_branches=opt.max_branches,
+                            calib=engine.lookahead_calib)
 
 
 def _draft(engine, opt):

@@ -46,11 +46,15 @@ class Candidate:
 class Cursor:
     """Where one request's insertion stands: several requests can feed one trie at once."""
 
-    __slots__ = ("done", "partial")
+    __slots__ = ("done", "partial", "nodes", "epoch")
 
     def __init__(self) -> None:
         self.done = 0  # every window starting before this is complete
         self.partial: dict[int, int] = {}  # start -> length inserted so far (tail windows)
+        # start -> the node where that tail window ends, so growing it by a token is one step
+        # (valid while the trie's epoch is `epoch`: pruning may detach nodes)
+        self.nodes: dict[int, TrieNode] = {}
+        self.epoch = -1
 
 
 class TokenTrie:
@@ -61,6 +65,7 @@ class TokenTrie:
         self.alpha = alpha  # smoothing: one sighting is not certainty
         self.root = TrieNode()
         self.n_nodes = 0
+        self._epoch = 0  # bumped whenever nodes are removed (cursors then walk from the root)
         self._cursor = Cursor()  # for callers that feed one request at a time
 
     # -- insertion ------------------------------------------------------------------------
@@ -68,26 +73,36 @@ class TokenTrie:
     def extend(self, tokens: list[int], source: int, cursor: Cursor | None = None) -> None:
         """Insert the windows of `tokens` not inserted yet (call as the sequence grows)."""
         cur = cursor or self._cursor
+        if cur.epoch != self._epoch:
+            cur.nodes.clear()
+            cur.epoch = self._epoch
         n, w = len(tokens), self.window
         i = cur.done
         while i < n:
             length = min(w, n - i)
             have = cur.partial.get(i, 0)
+            node = None
             if length > have:
-                self._insert(tokens, i, length, have, source)
+                node = self._insert(tokens, i, length, have, source, cur.nodes.get(i) if have else None)
             if length == w:
                 cur.partial.pop(i, None)
+                cur.nodes.pop(i, None)
                 if i == cur.done:
                     cur.done = i + 1
             else:
                 cur.partial[i] = length
+                if node is not None:
+                    cur.nodes[i] = node
             i += 1
         if self.n_nodes > self.capacity:
             self.prune(int(self.capacity * 0.8))
 
-    def _insert(self, tokens: list[int], start: int, length: int, skip: int, source: int) -> None:
-        node = self.root
-        for d in range(length):
+    def _insert(self, tokens: list[int], start: int, length: int, skip: int, source: int,
+                at: TrieNode | None = None) -> TrieNode:
+        """Count tokens[start + skip : start + length] below the path of the first `skip` (whose
+        end node is `at`, when known); return the node where the window ends."""
+        node, first = (at, skip) if at is not None else (self.root, 0)
+        for d in range(first, length):
             t = tokens[start + d]
             child = node.children.get(t)
             if child is None:
@@ -99,6 +114,7 @@ class TokenTrie:
                 else:
                     child.fo += 1
             node = child
+        return node
 
     def insert(self, seq: list[int], source: int = OUTPUT) -> None:
         """Insert one branch (counts every node on its path once)."""
@@ -194,6 +210,7 @@ class TokenTrie:
             return removed
 
         self.n_nodes -= visit(self.root)
+        self._epoch += 1
 
     def prune(self, target: int) -> None:
         """Remove the least frequent branches until at most `target` nodes remain.
@@ -225,6 +242,7 @@ class TokenTrie:
             return removed
 
         self.n_nodes -= visit(self.root)
+        self._epoch += 1
 
     # -- persistence ----------------------------------------------------------------------
 

@@ -136,3 +136,22 @@ def test_doctor_reports_backend_curve_probe_and_policy():
     r = subprocess.run([sys.executable, "-m", "edgespec", "doctor", "-m", "smollm2-135m-instruct:q4_0", "-t", "2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "exactness probe" in r.stdout and "policy: strict" in r.stdout
+
+
+def test_probe_finds_the_f16_split_path_and_keeps_q8_0_k_exact(smol):
+    """llama.cpp's CPU attention takes a split-KV path for one row past 512 cells when K and V
+    are both f16: the probe's long-context stage sees it. K and V of different types (the
+    q8_0/f16 default) keep one path for every row count, at long contexts too."""
+    from edgespec.costmodel import probe_exactness
+    from edgespec.kv import KVSeq
+    from edgespec.llama import Context, ContextConfig
+
+    found = {}
+    for kv in ("f16", "q8_0/f16"):
+        ctx = Context(smol.target, ContextConfig(1024, 64, 2, 1, kv))
+        try:
+            found[kv] = probe_exactness(ctx, KVSeq(ctx))
+        finally:
+            ctx.close()
+    assert found["f16"][0] == 1 and found["f16"][1] > 0
+    assert found["q8_0/f16"] == (32, 0.0)

@@ -57,7 +57,8 @@ def run_doctor(a, cfg) -> int:
     base = c["ms"][0]
     curve = "  ".join(f"{k}:{ms:.1f} ({ms / base:.1f}x)" for k, ms in zip(c["k"], c["ms"]) if k in (1, 2, 4, 8, 16, 32))
     print(f"cost of verifying k rows (ms, at {c['n0']} tokens of context): {curve}")
-    print(f"  attention: {c['attn_us_per_row_per_token']:.4f} us per row per cached token")
+    print(f"  attention: {c.get('attn0_us_per_token', 0.0):.4f} us per cached token plus "
+          f"{c['attn_us_per_row_per_token']:.4f} us per row per cached token")
     diff = ex["batch_logit_diff"]
     print(f"exactness probe: batches bit-identical to one-row decodes up to {ex['max_exact_rows']} rows; largest "
           f"|delta logit| at 2-32 rows: {'not measured' if diff is None else f'{diff:.3g}'}")

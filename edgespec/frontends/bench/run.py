@@ -23,6 +23,8 @@ from .suites import load_suite
 
 GREEDY = SamplingConfig(temp=0.0)
 
+LLAMA_CPP = "llama.cpp"  # the entry of llama.cpp's tools in a repeat's order
+
 
 def run_method(eng, tokens: list[int], n: int, method: str):
     """One greedy generation (a seam for tests that need a deliberately broken method)."""
@@ -60,23 +62,33 @@ def run_bench(a, engine_cfg) -> int:
     with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   TextColumn("{task.fields[info]}"), transient=True, console=stderr_console()) as prog:
         task = prog.add_task("bench", total=total, info="")
+        llama_cpp = [LLAMA_CPP] if getattr(a, "llama_cpp_bin", None) else []
         for item, toks, n in prompts:
             for rep in range(a.repeat):
-                ref = None
-                for m in methods:  # interleaved: A B C A B C ...
+                # interleaved (A B C A B C ...), the order rotated from one repeat to the next, so
+                # that no method always runs first or right after another (llama.cpp's tools count
+                # as one entry)
+                order = methods + llama_cpp
+                order = order[rep % len(order):] + order[:rep % len(order)]
+                outputs, step = {}, []
+                for m in order:
+                    if m == LLAMA_CPP:
+                        records.extend(run_llama_cpp(a.llama_cpp_bin, eng, [(item, toks, n)], engine_cfg, rep,
+                                                     getattr(a, "llama_cpp_kv", None)))
+                        continue
                     g = run_method(eng, toks, n, m)
-                    if m == "none":
-                        ref = g.tokens
-                    match = g.tokens == ref
+                    outputs[m] = g.tokens
+                    step.append({"id": item["id"], "category": item["category"], "method": m, "repeat": rep,
+                                 **g.stats.to_dict()})
+                    prog.update(task, advance=1, info=f"{item['id']} {m} {g.stats.tokens_per_s:.0f} tok/s")
+                ref = outputs.get("none")
+                for rec in sorted(step, key=lambda r: methods.index(r["method"])):
+                    m = rec["method"]
+                    match = outputs[m] == ref
                     if not match:
                         mismatches.append((item["id"], m))
                         prog.console.print(f"[bold red]MISMATCH[/]: {m} output differs from none on {item['id']}")
-                    records.append({"id": item["id"], "category": item["category"], "method": m, "repeat": rep,
-                                    "match": match, **g.stats.to_dict()})
-                    prog.update(task, advance=1, info=f"{item['id']} {m} {g.stats.tokens_per_s:.0f} tok/s")
-                if getattr(a, "llama_cpp_bin", None):  # interleaved too, right after ours
-                    records.extend(run_llama_cpp(a.llama_cpp_bin, eng, [(item, toks, n)], engine_cfg, rep,
-                                                 getattr(a, "llama_cpp_kv", None)))
+                    records.append({**rec, "match": match})
 
     order = methods + sorted({r["method"] for r in records} - set(methods), reverse=True)
     n_past = int(sum(len(t) for _, t, _ in prompts) / len(prompts))
