@@ -210,7 +210,7 @@ def measure(ctx: Context, kv, reps: int = 5) -> CostModel:
 
 PROBE_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 LONG_PROBE = 600  # cells of context for the probe's second stage (past llama.cpp's 512-cell switch)
-PROBE_VERSION = 2  # records probed by an older version are probed again
+PROBE_VERSION = 2  # records of an older version (measure and probe) are measured again
 
 
 def probe_exactness(ctx: Context, kv, seed: int = 1234) -> tuple[int, float]:
@@ -280,26 +280,19 @@ def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layer
     servers), measured once and cached in `cache_file`."""
     key = _key(ctx, n_gpu_layers, tag)
     data: dict = {}
-    cm = None
     try:
         with open(cache_file) as f:
             data = json.load(f)
         rec = data.get(key)
-        if rec and "attn0_us_per_token" not in rec:
-            rec = None  # measured before the attention intercept: measure again
-        if rec:
-            cm = CostModel.from_dict(rec)
-            if rec.get("probe") == PROBE_VERSION:
-                return cm
+        if rec and rec.get("probe") == PROBE_VERSION:
+            return CostModel.from_dict(rec)
     except (OSError, ValueError, KeyError, TypeError):
-        data, cm = {}, None
-    if cm is not None:  # a record from an older probe (no near-tie margin, no long context)
-        cm.max_exact_rows, cm.batch_logit_diff = probe_exactness(ctx, kv)
-    else:
-        if not quiet:
-            log.info("measuring what verifying k tokens costs on this machine (%s, %d threads; once, then cached)",
-                     ctx.model.path.name, ctx.n_threads, extra={"progress": True})
-        cm = measure(ctx, kv)
+        data = {}
+    # none yet, or one from an older version (no attention intercept, no long-context probe)
+    if not quiet:
+        log.info("measuring what verifying k tokens costs on this machine (%s, %d threads; once, then cached)",
+                 ctx.model.path.name, ctx.n_threads, extra={"progress": True})
+    cm = measure(ctx, kv)
     data[key] = {**cm.to_dict(), "probe": PROBE_VERSION}
     try:
         os.makedirs(os.path.dirname(cache_file), exist_ok=True)
