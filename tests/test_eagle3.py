@@ -38,6 +38,7 @@ from edgespec.engine import Engine, EngineConfig
 from edgespec.gguf_check import inspect
 from edgespec.heads.eagle3 import convert_eagle3, permute_qk
 from edgespec.heads.format import HeadsError, target_meta
+from edgespec.kvtypes import DEFAULT_KV, kv_types
 from edgespec.llama import Model
 from edgespec.sampling import SamplingConfig
 from edgespec.schedulers.sequential import Generation
@@ -512,13 +513,15 @@ def test_refuses_a_draft_for_another_target(smol_engine, bigram, smol_e3):
 # -- llama.cpp's own driver on the same file -----------------------------------------------------
 
 
-def _llamacpp(target: Path, draft: Path, prompt: str, n: int, n_max: int = 3) -> tuple[str, dict]:
-    """llama-speculative-simple's output and stats; with edgespec's default KV cache type (q8_0):
-    with llama.cpp's f16 default, smollm2 flips a near-tie ("United"/"united") within 32 tokens."""
+def _llamacpp(target: Path, draft: Path, prompt: str, n: int, n_max: int = 3,
+              kv: str = DEFAULT_KV) -> tuple[str, dict]:
+    """llama-speculative-simple's output and stats, with the engine's K/V cache types: with
+    others smollm2 flips a near-tie ("United"/"united") within 32 tokens."""
+    ctk, ctv = kv_types(kv)
     for _ in range(3):  # its log thread may drop the last lines at exit: the stats are among them
         r = subprocess.run([str(SPEC_BIN), "-m", str(target), "-md", str(draft), "--spec-type", "draft-eagle3",
                             "-p", prompt, "-n", str(n), "-c", "512", "--spec-draft-n-max", str(n_max), "--temp", "0",
-                            "-t", "1", "-ctk", "q8_0", "-ctv", "q8_0"], capture_output=True, text=True, timeout=300)
+                            "-t", "1", "-ctk", ctk, "-ctv", ctv], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         stats = {k: int(v) for k, v in re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", r.stderr)}
         if len(stats) == 2:
@@ -532,7 +535,7 @@ def test_same_text_as_llama_speculative_simple(smol_engine, smol_e3, bigram):
     the exact bigram draft it accepts nearly everything too."""
     for eng, draft, text in ((smol_engine, smol_e3[0], "The capital of France is"),
                              (bigram.eng, bigram.files["exact"], "hello world")):
-        out, stats = _llamacpp(eng.target.path, draft, text, 32)
+        out, stats = _llamacpp(eng.target.path, draft, text, 32, kv=eng.cfg.kv_type)
         prompt = eng.prompt_tokens(text, raw=True)
         d = e3.build(eng, draft, tree=False)
         d.n_max = 3  # as --spec-draft-n-max 3

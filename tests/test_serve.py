@@ -30,9 +30,9 @@ from edgespec.text import TextStream
 KEY = "test-key-123"
 MODEL = "smollm2-135m-instruct:q4_0"
 CHATS = [
-    "Copy this sentence three times: The quick brown fox jumps over the lazy dog.",
-    "What is the capital of France? Answer in one sentence.",
     "List the numbers from 1 to 12, one per line.",
+    "What is the capital of France? Answer in one sentence.",
+    "Copy this sentence three times: The quick brown fox jumps over the lazy dog.",
     "Write a Python function that adds two numbers.",
     "Name three colours of the rainbow.",
     "Repeat exactly: red green blue, red green blue, red green blue.",
