@@ -224,11 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target model the heads were trained for (default: %(default)s)")
     cv.add_argument("-o", "--output", required=True, help="output .gguf path")
 
-    tr = sub.add_parser("train", help="train Medusa/EAGLE/MTP heads for a target on this machine (the train extra)",
+    tr = sub.add_parser("train", help="train Medusa/EAGLE/EAGLE-3/MTP heads for a target on this machine (the train extra)",
                         description="Self-distillation: the target answers prompts, its hidden states are stored "
                                     "(resumable), heads are trained with JAX and written in the upstream checkpoint "
                                     "layout and as a heads GGUF. Ctrl+C stops and a rerun resumes.")
-    tr.add_argument("kind", choices=["medusa", "eagle", "mtp"], help="what to train")
+    tr.add_argument("kind", choices=["medusa", "eagle", "eagle3", "mtp"], help="what to train")
     tr.add_argument("-m", "--model", default="smollm2-135m-instruct",
                     help="target model: catalog name, name:quant, or a .gguf path (default: %(default)s)")
     tr.add_argument("--data", action="append", default=None, metavar="SUITE|FILE",
@@ -242,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft-vocab", type=int, default=8192,
                     help="draft vocabulary: the N tokens the target says most often (default: %(default)s)")
     tr.add_argument("--heads-n", dest="medusa_heads", type=int, default=3, help="Medusa heads (default: %(default)s)")
+    tr.add_argument("--ttt-steps", type=int, default=4,
+                    help="EAGLE-3: draft steps unrolled in training (training-time test; default: %(default)s)")
     tr.add_argument("--work", default=None, metavar="DIR",
                     help="folder for data, checkpoints, report and curves (default: in the cache, per target)")
     tr.add_argument("--exclude", default=None, metavar="FILE",

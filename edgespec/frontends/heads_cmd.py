@@ -52,7 +52,7 @@ def run_train(a) -> int:
 
     check_extra()
     for name, v, lo in (("--tokens", a.tokens, 64), ("--batch", a.batch, 8), ("--draft-vocab", a.draft_vocab, 16),
-                        ("--max-new", a.max_new, 8), ("--heads-n", a.medusa_heads, 1)):
+                        ("--max-new", a.max_new, 8), ("--heads-n", a.medusa_heads, 1), ("--ttt-steps", a.ttt_steps, 1)):
         if v < lo:
             raise EdgespecError(f"{name} must be at least {lo}")
     if not a.epochs > 0 or not a.lr > 0:
@@ -65,7 +65,7 @@ def run_train(a) -> int:
     work = Path(a.work) if a.work else cache_root() / "train" / target
     out = Path(a.output) if a.output else heads_dir() / f"{target}.{a.kind}.gguf"
     cfg = TrainConfig(a.kind, epochs=a.epochs, batch=a.batch, lr=a.lr, draft_vocab=a.draft_vocab,
-                      medusa_heads=a.medusa_heads)
+                      medusa_heads=a.medusa_heads, ttt_steps=a.ttt_steps)
     bars = _Bars(a.quiet)
     try:
         with bars:

@@ -65,10 +65,12 @@ def load(folder: str | os.PathLike) -> Dataset:
 
 
 def collect(engine, prompts: list[dict], folder: str | os.PathLike, max_tokens: int, max_new: int = 256,
-            progress: Callable[[int, int], None] | None = None, method: str = "lookahead") -> Dataset:
+            progress: Callable[[int, int], None] | None = None, method: str = "lookahead",
+            taps: tuple[int, ...] | None = None) -> Dataset:
     """Answer `prompts` with the target (greedy) and store the features of prompt + answer
     until `max_tokens` rows are stored. Prompts already done in `folder` are skipped (resume).
-    `progress(rows, max_tokens)` is called after each prompt."""
+    `progress(rows, max_tokens)` is called after each prompt. With `taps` the features are the
+    inputs of those target layers, concatenated (EAGLE-3), instead of the post-norm output."""
     from ..sampling import SamplingConfig
 
     folder = Path(folder)
@@ -78,6 +80,10 @@ def collect(engine, prompts: list[dict], folder: str | os.PathLike, max_tokens: 
     if m["target"] and m["target"] != target:
         raise EdgespecError(f"{folder} holds data of {m['target']}, not {target}: use another --work folder")
     m["target"] = target
+    want = list(taps) if taps else None
+    if m["starts"] and m.get("taps") != want:
+        raise EdgespecError(f"{folder} holds features of other layers than {want or 'the output'}: use another --work folder")
+    m["taps"] = want
     rows = m.get("rows", 0)
     _truncate(folder, rows, m["n_embd"])  # drop the tail of a prompt interrupted mid-write
     done = set(m["done"])
@@ -96,8 +102,12 @@ def collect(engine, prompts: list[dict], folder: str | os.PathLike, max_tokens: 
         doc = prompt + gen.tokens
         parts: list[np.ndarray] = []
         ctx.set_embeddings(True)
+        ctx.set_hidden_taps(taps)
         kv.reset()
-        kv.extend(doc, want_logits=False, on_hidden=lambda h, pos: parts.append(h))
+        try:
+            kv.extend(doc, want_logits=False, on_hidden=lambda h, pos: parts.append(h))
+        finally:
+            ctx.set_hidden_taps(None)
         feats = np.concatenate(parts).astype(np.float16)
         m["n_embd"] = feats.shape[1]
         with open(folder / "feats.f16", "ab") as f:

@@ -165,3 +165,86 @@ def eagle_loss(params, emb, feats, pos, valid, next_feats, labels, lm_t, cfg: tu
     nll = -jnp.take_along_axis(logp, jnp.maximum(labels, 0)[..., None], -1)[..., 0]
     cls = (nll * ok).sum() / jnp.maximum(ok.sum(), 1)
     return reg + w_cls * cls, logits
+
+
+# -- EAGLE-3: fused low/mid/high taps, training-time test over several steps ------------------
+
+def eagle3_init(d: int, d_t: int, n_head: int, n_kv: int, hd: int, ff: int, lm_head: np.ndarray, seed: int = 0) -> dict:
+    """EAGLE-3's draft in its upstream names (`fc`, `midlayer.*`, `norm`, `lm_head` over the draft
+    vocabulary). `lm_head` [Vd, d] starts as the target's rows; fc starts as the high tap."""
+    rng = np.random.default_rng(seed)
+    g = lambda *s: rng.normal(0.0, 0.02, s).astype(np.float32)  # noqa: E731
+    fc = np.concatenate([np.zeros((d, 2 * d_t), np.float32), np.eye(d, d_t, dtype=np.float32)], 1) + g(d, 3 * d_t) * 0.1
+    ones = lambda: np.ones(d, np.float32)  # noqa: E731
+    return {
+        "fc.weight": fc,
+        "midlayer.input_layernorm.weight": ones(), "midlayer.hidden_norm.weight": ones(),
+        "midlayer.self_attn.q_proj.weight": g(n_head * hd, 2 * d),
+        "midlayer.self_attn.k_proj.weight": g(n_kv * hd, 2 * d),
+        "midlayer.self_attn.v_proj.weight": g(n_kv * hd, 2 * d),
+        "midlayer.self_attn.o_proj.weight": g(d, n_head * hd) * 0.1,
+        "midlayer.post_attention_layernorm.weight": ones(),
+        "midlayer.mlp.gate_proj.weight": g(ff, d), "midlayer.mlp.up_proj.weight": g(ff, d),
+        "midlayer.mlp.down_proj.weight": g(d, ff) * 0.1,
+        "norm.weight": ones(),
+        "lm_head.weight": np.asarray(lm_head, np.float32),
+    }
+
+
+def eagle3_forward(params: dict, taps, embs, pos, valid, steps: int, n_head: int, n_kv: int, hd: int, theta: float,
+                   eps: float):
+    """The draft as llama.cpp's eagle3 graph runs it, unrolled over `steps` (training-time test).
+
+    taps [B, T, 3*d_t] (the target's layer inputs at position i), embs [steps, B, T, d] (the token
+    at i+1+k), pos [B, T]. Step 0 reads g = fc(taps); step k reads the pre-norm output of step
+    k-1 at the same i, sits at position i+k and attends to step 0's keys at positions <= i and to
+    its own chain (steps 1..k at i), exactly the cells a drafted chain sees at run time.
+    Returns logits [steps, B, T, Vd]."""
+    import jax
+
+    jnp = _jnp()
+    B, T, _ = taps.shape
+    P = lambda k: params["midlayer." + k]  # noqa: E731
+    g = taps @ params["fc.weight"].T
+    causal = (jnp.tril(jnp.ones((T, T), bool))[None] & valid[:, None, :])[:, None, None]  # [B,1,1,T,T]
+    grp = n_head // n_kv
+    keys, vals, outs = [], [], []
+    for k in range(steps):
+        x = jnp.concatenate([_rms(embs[k], P("input_layernorm.weight"), eps), _rms(g, P("hidden_norm.weight"), eps)], -1)
+        q = _rope((x @ P("self_attn.q_proj.weight").T).reshape(B, T, n_head, hd), pos + k, theta)
+        kk = _rope((x @ P("self_attn.k_proj.weight").T).reshape(B, T, n_kv, hd), pos + k, theta)
+        v = (x @ P("self_attn.v_proj.weight").T).reshape(B, T, n_kv, hd)
+        qg = q.reshape(B, T, n_kv, grp, hd) / np.sqrt(hd)
+        if k == 0:
+            keys0, vals0 = kk, v
+        else:
+            keys.append(kk)
+            vals.append(v)
+        s0 = jnp.where(causal, jnp.einsum("btkgd,bskd->bkgts", qg, keys0), -1e30)  # [B, kv, g, T, T]
+        diag = [jnp.einsum("btkgd,btkd->bkgt", qg, kd)[..., None] for kd in keys]  # own chain, [B, kv, g, T, 1]
+        a = jax.nn.softmax(jnp.concatenate([s0, *diag], -1), -1)
+        o = jnp.einsum("bkgts,bskd->btkgd", a[..., :T], vals0)
+        for m, vd in enumerate(vals):
+            o = o + a[..., T + m].transpose(0, 3, 1, 2)[..., None] * vd[:, :, :, None, :]
+        o = o.reshape(B, T, n_head * hd) @ P("self_attn.o_proj.weight").T
+        h = o + g
+        f = _rms(h, P("post_attention_layernorm.weight"), eps)
+        h = h + (jax.nn.silu(f @ P("mlp.gate_proj.weight").T) * (f @ P("mlp.up_proj.weight").T)) @ P("mlp.down_proj.weight").T
+        outs.append(_rms(h, params["norm.weight"], eps) @ params["lm_head.weight"].T)
+        g = h  # the next step's g: this step's pre-norm output
+    return jnp.stack(outs)
+
+
+def eagle3_loss(params, taps, embs, pos, valid, labels, cfg: tuple, steps: int, decay: float = 0.8):
+    """EAGLE-3: cross-entropy of the target's token at every unrolled step (labels [steps, B, T],
+    draft-vocabulary index; -1 outside it and -2 none: no loss), weighted decay**k."""
+    import jax
+
+    jnp = _jnp()
+    logits = eagle3_forward(params, taps, embs, pos, valid, steps, *cfg)
+    logp = jax.nn.log_softmax(logits, -1)
+    ok = labels >= 0
+    nll = -jnp.take_along_axis(logp, jnp.maximum(labels, 0)[..., None], -1)[..., 0]
+    per = (nll * ok).sum((1, 2)) / jnp.maximum(ok.sum((1, 2)), 1)
+    w = decay ** jnp.arange(steps)
+    return (per * w).sum() / w.sum(), logits

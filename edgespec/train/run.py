@@ -36,7 +36,14 @@ def eagle_shape(engine) -> dict:
     n_kv = int(get("attention.head_count_kv") or n_head)
     return {"n_head": n_head, "n_head_kv": n_kv, "head_dim": int(get("attention.key_length") or d // n_head),
             "n_ff": int(get("feed_forward_length")), "rope_theta": float(get("rope.freq_base") or 10000.0),
-            "rms_eps": float(get("attention.layer_norm_rms_epsilon") or 1e-5), "n_layer": m.n_layer}
+            "rms_eps": float(get("attention.layer_norm_rms_epsilon") or 1e-5), "n_layer": m.n_layer,
+            "n_vocab": m.n_vocab, "n_ctx_train": int(get("context_length") or 2048)}
+
+
+def eagle3_taps(n_layer: int) -> tuple[int, int, int]:
+    """The target layers whose inputs EAGLE-3 fuses (low, middle, high), as llama.cpp's converter
+    picks them when a checkpoint names none."""
+    return (2, n_layer // 2, n_layer - 3)
 
 
 def export(trainer: Trainer, folder: Path, target_name: str, shape: dict | None) -> Path:
@@ -45,9 +52,16 @@ def export(trainer: Trainer, folder: Path, target_name: str, shape: dict | None)
 
     folder.mkdir(parents=True, exist_ok=True)
     t = trainer.export_params()
-    t["draft_vocab"] = trainer.vocab.astype(np.int64)
     cfg = trainer.cfg
     d = trainer.d
+    if cfg.kind == "eagle3":  # d2t: offsets from draft index to target id; t2d: which target ids are drafted
+        vocab = trainer.vocab.astype(np.int64)
+        t["d2t"] = vocab - np.arange(len(vocab), dtype=np.int64)
+        t2d = np.zeros(shape["n_vocab"], bool)
+        t2d[vocab] = True
+        t["t2d"] = t2d
+    else:
+        t["draft_vocab"] = trainer.vocab.astype(np.int64)
     if cfg.kind == "medusa":
         config = {"medusa_num_heads": cfg.medusa_heads, "medusa_num_layers": cfg.medusa_layers,
                   "hidden_size": d, "base_model_name_or_path": target_name, "trained_by": "edgespec train"}
@@ -61,6 +75,15 @@ def export(trainer: Trainer, folder: Path, target_name: str, shape: dict | None)
                   "head_dim": shape["head_dim"], "intermediate_size": shape["n_ff"], "rope_theta": shape["rope_theta"],
                   "rms_norm_eps": shape["rms_eps"], "num_hidden_layers": n_layer, "num_nextn_predict_layers": 1,
                   "mtp_module": True, "base_model_name_or_path": target_name, "trained_by": "edgespec train"}
+        name = "model.safetensors"
+    elif cfg.kind == "eagle3":  # SafeAILab/EAGLE's EAGLE-3 layout (LlamaForCausalLMEagle3)
+        config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": d, "target_hidden_size": d,
+                  "num_attention_heads": shape["n_head"], "num_key_value_heads": shape["n_head_kv"],
+                  "head_dim": shape["head_dim"], "intermediate_size": shape["n_ff"], "rope_theta": shape["rope_theta"],
+                  "rms_norm_eps": shape["rms_eps"], "num_hidden_layers": 1, "vocab_size": shape["n_vocab"],
+                  "draft_vocab_size": len(trainer.vocab), "max_position_embeddings": shape.get("n_ctx_train", 2048),
+                  "eagle_aux_hidden_state_layer_ids": list(eagle3_taps(shape["n_layer"])),
+                  "base_model_name_or_path": target_name, "trained_by": "edgespec train"}
         name = "model.safetensors"
     else:
         config = {"architectures": ["LlamaForCausalLM"], "hidden_size": d, "num_attention_heads": shape["n_head"],
@@ -80,11 +103,19 @@ def train_heads(engine, kind: str, prompts: list[dict], out: Path, work: Path, t
     from ..heads.target import TargetWeights
 
     t0 = time.perf_counter()
-    ds = data_mod.collect(engine, prompts, work / "data", tokens, max_new,
-                          progress=lambda rows, total: progress("data", {"rows": rows, "total": total}))
+    taps = None
+    if kind == "eagle3":
+        from ..drafters.eagle3 import LAYER_INPUT_ARCHS
+
+        if engine.target.arch not in LAYER_INPUT_ARCHS:
+            raise EdgespecError(f"EAGLE-3 reads the inputs of three target layers, which llama.cpp records for "
+                                f"{', '.join(sorted(LAYER_INPUT_ARCHS)[:6])}, ... targets, not {engine.target.arch}")
+        taps = eagle3_taps(engine.target.n_layer)
+    ds = data_mod.collect(engine, prompts, work / ("data-eagle3" if taps else "data"), tokens, max_new,
+                          progress=lambda rows, total: progress("data", {"rows": rows, "total": total}), taps=taps)
     t_data = time.perf_counter() - t0
-    tw = TargetWeights(engine.target.path, engine.target.n_vocab, ds.n_embd)
-    shape = eagle_shape(engine) if kind in ("eagle", "mtp") else None
+    tw = TargetWeights(engine.target.path, engine.target.n_vocab, engine.target.n_embd)
+    shape = eagle_shape(engine) if kind in ("eagle", "mtp", "eagle3") else None
     trainer = Trainer(cfg, ds, tw, work, shape, progress=lambda info: progress("train", info))
     before = trainer.evaluate(trainer.untrained())
     t1 = time.perf_counter()
@@ -94,7 +125,12 @@ def train_heads(engine, kind: str, prompts: list[dict], out: Path, work: Path, t
     report.untrained_top1 = before.top1
     ckpt = export(trainer, work / f"{kind}-checkpoint", Path(engine.target.path).name, shape)
     src = f"trained by edgespec train {kind} on {len(ds.starts)} documents, {len(ds.tokens)} tokens"
-    gguf = convert(kind, ckpt, engine.target, out, source_note=src)
+    if kind == "eagle3":
+        from ..heads.eagle3 import convert_eagle3
+
+        gguf = convert_eagle3(ckpt, engine.target, out, source_note=src)
+    else:
+        gguf = convert(kind, ckpt, engine.target, out, source_note=src)
     (work / f"report-{kind}.json").write_text(json.dumps({**report.to_dict(), "tokens": len(ds.tokens),
                                                            "t_data_s": t_data, "t_train_s": t_train,
                                                            "config": asdict(cfg)}, indent=2))

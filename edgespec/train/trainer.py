@@ -24,7 +24,7 @@ from .data import Dataset
 
 @dataclass
 class TrainConfig:
-    kind: str  # "medusa" | "eagle"
+    kind: str  # "medusa" | "eagle" | "eagle3" | "mtp"
     epochs: float = 4.0
     batch: int = 256  # positions per step (EAGLE: rows of `seq` positions make up about this many)
     lr: float = 1e-3
@@ -35,6 +35,7 @@ class TrainConfig:
     save_every: int = 50
     seed: int = 0
     noise: float = 0.2  # EAGLE: uniform feature noise of this width during training (as the paper)
+    ttt_steps: int = 4  # EAGLE-3: draft steps unrolled in training (training-time test)
 
 
 @dataclass
@@ -86,13 +87,19 @@ class Trainer:
             self.positions = self._medusa_positions(self.train_docs)
             n_units = len(self.positions)
             self.steps_per_epoch = max(1, n_units // cfg.batch)
-        elif cfg.kind in ("eagle", "mtp"):
-            from .models import eagle_init, mtp_init
+        elif cfg.kind in ("eagle", "mtp", "eagle3"):
+            from .models import eagle3_init, eagle_init, mtp_init
 
             self.shape = eagle_shape or {}
             s = self.shape
-            init = eagle_init if cfg.kind == "eagle" else mtp_init
-            self.params = init(self.d, s["n_head"], s["n_head_kv"], s["head_dim"], s["n_ff"], cfg.seed)
+            if cfg.kind == "eagle3":  # the features are three taps of the target's width
+                self.d = ds.n_embd // 3
+                self._lm_rows = np.asarray(target_weights.lm_head(self.vocab), np.float32)
+                self.params = eagle3_init(self.d, self.d, s["n_head"], s["n_head_kv"], s["head_dim"], s["n_ff"],
+                                          self._lm_rows, cfg.seed)
+            else:
+                init = eagle_init if cfg.kind == "eagle" else mtp_init
+                self.params = init(self.d, s["n_head"], s["n_head_kv"], s["head_dim"], s["n_ff"], cfg.seed)
             uniq = np.unique(ds.tokens)
             self.emb_index = np.full(int(ds.tokens.max()) + 1, -1, np.int64)
             self.emb_index[uniq] = np.arange(len(uniq))
@@ -101,7 +108,7 @@ class Trainer:
             self.rows_per_step = max(1, cfg.batch // cfg.seq)
             self.steps_per_epoch = max(1, math.ceil(len(self.rows) / self.rows_per_step))
         else:
-            raise EdgespecError(f"cannot train {cfg.kind!r} heads (medusa, eagle, mtp)")
+            raise EdgespecError(f"cannot train {cfg.kind!r} heads (medusa, eagle, eagle3, mtp)")
         self.params = {k: jax.numpy.asarray(v) for k, v in self.params.items()}
         self.total_steps = max(1, int(self.steps_per_epoch * cfg.epochs))
         sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, min(50, self.total_steps // 10 + 1), self.total_steps,
@@ -156,6 +163,32 @@ class Trainer:
                 rows.append((w, min(w + T, e - 2), a))
         return rows
 
+    def _eagle3_batch(self, rows: list[tuple[int, int, int]]):
+        """Taps at i, the tokens at i+1+k (embedding-table indices) and the labels at i+2+k for
+        every unrolled step k: -2 past the document's end or before its answer."""
+        T, K = self.cfg.seq, self.cfg.ttt_steps
+        B = len(rows)
+        taps = np.zeros((B, T, self.ds.n_embd), np.float32)
+        toks_in = np.zeros((K, B, T), np.int64)
+        labels = np.full((K, B, T), -2, np.int64)
+        pos = np.zeros((B, T), np.int64)
+        valid = np.zeros((B, T), bool)
+        toks, ends = self.ds.tokens, self._doc_end()
+        for b, (w, e, a) in enumerate(rows):
+            n = e - w
+            i = np.arange(w, e)
+            taps[b, :n] = self.ds.feats[w:e]
+            end = ends[w]
+            for k in range(K):
+                t_in = np.minimum(i + 1 + k, end - 1)
+                toks_in[k, b, :n] = self.emb_index[toks[t_in]]
+                t_out = i + 2 + k
+                ok = (t_out < end) & (t_out >= a)
+                labels[k, b, :n][ok] = self.index[toks[t_out[ok]]]
+            pos[b, :n] = i - self._doc_start(w)
+            valid[b, :n] = True
+        return taps, toks_in, pos, valid, labels
+
     def _eagle_batch(self, rows: list[tuple[int, int, int]], noise: bool):
         T, d = self.cfg.seq, self.d
         B = len(rows)
@@ -196,6 +229,15 @@ class Trainer:
 
             def loss_fn(p, feats, labels):
                 return medusa_loss(p, feats, labels, lm_t, cfg.medusa_heads, cfg.medusa_layers)[0]
+        elif cfg.kind == "eagle3":
+            from .models import eagle3_loss
+
+            s = self.shape
+            shape = (s["n_head"], s["n_head_kv"], s["head_dim"], s["rope_theta"], s["rms_eps"])
+            emb_table = self.emb
+
+            def loss_fn(p, taps, toks_in, pos, valid, labels):
+                return eagle3_loss(p, taps, emb_table[toks_in], pos, valid, labels, shape, cfg.ttt_steps)[0]
         else:
             from .models import eagle_loss
 
@@ -222,7 +264,8 @@ class Trainer:
             return self._medusa_batch(np.sort(idx)), cfg.batch
         pick = self.rng.choice(len(self.rows), size=min(self.rows_per_step, len(self.rows)), replace=False)
         rows = [self.rows[i] for i in pick]
-        return self._eagle_batch(rows, noise=True), sum(e - w for w, e, _ in rows)
+        batch = self._eagle3_batch(rows) if cfg.kind == "eagle3" else self._eagle_batch(rows, noise=True)
+        return batch, sum(e - w for w, e, _ in rows)
 
     def train(self) -> None:
         """Run to `total_steps` (from where a checkpoint left off); KeyboardInterrupt saves first."""
@@ -298,6 +341,8 @@ class Trainer:
             logits = np.asarray(jax.jit(lambda p, f: medusa_logits(p, f, self.lm_t, cfg.medusa_heads,
                                                                   cfg.medusa_layers))(params, feats))
             return _report("medusa", logits, labels)
+        if cfg.kind == "eagle3":
+            return self._evaluate_eagle3(params, docs)
         from .models import eagle_forward, readout
 
         s = self.shape
@@ -313,14 +358,38 @@ class Trainer:
             all_labels.append(labels[keep])
         return _report(cfg.kind, np.concatenate(all_logits)[:, None], np.concatenate(all_labels)[:, None])
 
+    def _evaluate_eagle3(self, params: dict, docs: list[int]) -> Report:
+        """Top-1/top-5 per unrolled step (the draft's own states as g, the target's tokens as
+        input: what depth k+1 of a chain sees when the k tokens before it were accepted)."""
+        import jax
+
+        from .models import eagle3_forward
+
+        s = self.shape
+        shape = (s["n_head"], s["n_head_kv"], s["head_dim"], s["rope_theta"], s["rms_eps"])
+        K = self.cfg.ttt_steps
+        fwd = jax.jit(lambda p, t, e, q, v: eagle3_forward(p, t, e, q, v, K, *shape))
+        rows = self._eagle_rows(docs)
+        all_logits, all_labels = [], []
+        for i in range(0, len(rows), 8):
+            taps, toks_in, pos, valid, labels = self._eagle3_batch(rows[i : i + 8])
+            lg = np.asarray(fwd(params, taps, self.emb[toks_in], pos, valid))  # [K, B, T, Vd]
+            keep = labels[0] > -2
+            all_logits.append(lg[:, keep].transpose(1, 0, 2))
+            all_labels.append(labels[:, keep].T)
+        return _report("eagle3", np.concatenate(all_logits), np.concatenate(all_labels))
+
     def untrained(self) -> dict:
-        from .models import eagle_init, medusa_init, mtp_init
+        from .models import eagle3_init, eagle_init, medusa_init, mtp_init
 
         import jax
 
         cfg = self.cfg
         if cfg.kind == "medusa":
             p = medusa_init(self.d, cfg.medusa_heads, cfg.medusa_layers)
+        elif cfg.kind == "eagle3":
+            s = self.shape
+            p = eagle3_init(self.d, self.d, s["n_head"], s["n_head_kv"], s["head_dim"], s["n_ff"], self._lm_rows, cfg.seed)
         else:
             s = self.shape
             p = (eagle_init if cfg.kind == "eagle" else mtp_init)(self.d, s["n_head"], s["n_head_kv"], s["head_dim"],
@@ -340,8 +409,8 @@ def _report(kind: str, logits: np.ndarray, labels: np.ndarray) -> Report:
     has = labels > -2
     top1 = [float(hit1[:, h][has[:, h]].mean()) if has[:, h].any() else 0.0 for h in range(H)]
     t5 = [float(hit5[:, h][has[:, h]].mean()) if has[:, h].any() else 0.0 for h in range(H)]
-    if kind == "medusa":
-        run = np.cumprod(hit1, axis=1)  # leading heads all right
+    if kind in ("medusa", "eagle3"):  # a chain: the leading heads (EAGLE-3: unrolled steps) all right
+        run = np.cumprod(hit1, axis=1)
         mal = 1.0 + float(run.sum(1).mean())
     elif kind == "mtp":  # next-2 only: one draft token a step
         mal = 1.0 + top1[0]
