@@ -133,6 +133,7 @@ METHODS = {
     "medusa": lambda eng: forced(eng, lambda cfg: eng.make_drafter("medusa")),
     "eagle": lambda eng: forced(eng, lambda cfg: eng.make_drafter("eagle")),
     "mtp": lambda eng: forced(eng, lambda cfg: eng.make_drafter("mtp")),
+    "eagle3": lambda eng: forced(eng, lambda cfg: eng.make_drafter("eagle3")),  # llama.cpp's graph
 }
 
 

@@ -211,7 +211,7 @@ def test_mtp_round_trip(tmp_path):
     np.testing.assert_allclose(hf.tensors["mtp.output_norm.weight"], w["model.layers.2.shared_head.norm.weight"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "mtp"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp"])
 def test_shipped_heads_are_found_and_accepted(smol, kind):
     """The heads trained for SmolLM2 ship with edgespec: found for the :q4_0 variant without
     --heads, lossless, and really accepted (drafting forced)."""

@@ -57,6 +57,7 @@ SHIPPED = {
     "smollm2-135m-instruct.medusa.gguf": "2263b8b84782c3f64217d2db74b71a460e2118153bebc9f04abc42686d161ff5",
     "smollm2-135m-instruct.eagle.gguf": "7c853684a9398f114652103ca2c106e6e139ad0a5634f08f1613e1ecef7a417d",
     "smollm2-135m-instruct.mtp.gguf": "17f447b7d92266b06b296a4ca94b55fd36766d60b4a11344cfedcb48c325dc8c",
+    "smollm2-135m-instruct.eagle3.gguf": "d686212a67dc165133a7932b158cc837c048212d60f46d4fd594d59fcfdd6b03",
 }
 _verified: dict[tuple, bool] = {}
 

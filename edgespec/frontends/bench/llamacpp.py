@@ -49,7 +49,7 @@ def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0, kv: str | No
                 rows.append({"id": item["id"], "category": item["category"], "method": name, "repeat": repeat,
                              "tokens_per_s": tps, "eval_tokens_per_s": parse_eval_tps(r.stderr + r.stdout),
                              "kv_type": kv, "n_generated": parse_eval_count(r.stderr + r.stdout),
-                             "wall_s": time.perf_counter() - t0, "match": None})
+                             "wall_s": time.perf_counter() - t0, "match": None, "stdout": r.stdout})
         finally:
             os.unlink(pf)
     return rows
