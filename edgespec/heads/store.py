@@ -137,14 +137,15 @@ def resolve_heads(spec: str, kind: str, model) -> Path:
     return out
 
 
-def convert_any(kind: str, src: Path, model, out: Path) -> Path:
+def convert_any(kind: str, src: Path, model, out: Path, source_note: str = "") -> Path:
+    """Checkpoint `src` of `kind` into a GGUF for `model`: llama.cpp's eagle3 file, else a heads file."""
     if kind == "eagle3":
         from .eagle3 import convert_eagle3
 
-        return convert_eagle3(src, model, out)
+        return convert_eagle3(src, model, out, source_note=source_note)
     from .convert import convert
 
-    return convert(kind, src, model, out)
+    return convert(kind, src, model, out, source_note=source_note)
 
 
 def list_heads() -> list[dict]:

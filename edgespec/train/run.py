@@ -99,7 +99,7 @@ def export(trainer: Trainer, folder: Path, target_name: str, shape: dict | None)
 
 def train_heads(engine, kind: str, prompts: list[dict], out: Path, work: Path, tokens: int, cfg: TrainConfig,
                 progress: Callable[[str, dict], None] = lambda stage, info: None, max_new: int = 256) -> TrainResult:
-    from ..heads.convert import convert
+    from ..heads.store import convert_any
     from ..heads.target import TargetWeights
 
     t0 = time.perf_counter()
@@ -125,12 +125,7 @@ def train_heads(engine, kind: str, prompts: list[dict], out: Path, work: Path, t
     report.untrained_top1 = before.top1
     ckpt = export(trainer, work / f"{kind}-checkpoint", Path(engine.target.path).name, shape)
     src = f"trained by edgespec train {kind} on {len(ds.starts)} documents, {len(ds.tokens)} tokens"
-    if kind == "eagle3":
-        from ..heads.eagle3 import convert_eagle3
-
-        gguf = convert_eagle3(ckpt, engine.target, out, source_note=src)
-    else:
-        gguf = convert(kind, ckpt, engine.target, out, source_note=src)
+    gguf = convert_any(kind, ckpt, engine.target, out, source_note=src)
     (work / f"report-{kind}.json").write_text(json.dumps({**report.to_dict(), "tokens": len(ds.tokens),
                                                            "t_data_s": t_data, "t_train_s": t_train,
                                                            "config": asdict(cfg)}, indent=2))

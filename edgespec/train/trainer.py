@@ -213,6 +213,11 @@ class Trainer:
             feats += (self.rng.random(feats.shape, np.float32) - 0.5) * self.cfg.noise
         return tok_next, feats, pos, valid, nxt, labels
 
+    def _layer_args(self) -> tuple:
+        """(heads, kv heads, head size, rope theta, rms eps) of the EAGLE/EAGLE-3/MTP layer."""
+        s = self.shape
+        return s["n_head"], s["n_head_kv"], s["head_dim"], s["rope_theta"], s["rms_eps"]
+
     def _doc_start(self, row: int) -> int:
         j = int(np.searchsorted(self.ds.starts, row, side="right")) - 1
         return self.ds.starts[j]
@@ -232,8 +237,7 @@ class Trainer:
         elif cfg.kind == "eagle3":
             from .models import eagle3_loss
 
-            s = self.shape
-            shape = (s["n_head"], s["n_head_kv"], s["head_dim"], s["rope_theta"], s["rms_eps"])
+            shape = self._layer_args()
             emb_table = self.emb
 
             def loss_fn(p, taps, toks_in, pos, valid, labels):
@@ -241,8 +245,7 @@ class Trainer:
         else:
             from .models import eagle_loss
 
-            s = self.shape
-            shape = (s["n_head"], s["n_head_kv"], s["head_dim"], s["rope_theta"], s["rms_eps"])
+            shape = self._layer_args()
             emb_table = self.emb
 
             def loss_fn(p, tok_next, feats, pos, valid, nxt, labels):
@@ -345,10 +348,9 @@ class Trainer:
             return self._evaluate_eagle3(params, docs)
         from .models import eagle_forward, readout
 
-        s = self.shape
-        shape = (s["n_head"], s["n_head_kv"], s["head_dim"], s["rope_theta"], s["rms_eps"])
+        shape = self._layer_args()
         rows = self._eagle_rows(docs)
-        fwd = jax.jit(lambda p, e, f, q, v: readout(p, eagle_forward(p, e, f, q, v, *shape), s["rms_eps"]) @ self.lm_t)
+        fwd = jax.jit(lambda p, e, f, q, v: readout(p, eagle_forward(p, e, f, q, v, *shape), shape[-1]) @ self.lm_t)
         all_logits, all_labels = [], []
         for i in range(0, len(rows), 8):
             tok_next, feats, pos, valid, _, labels = self._eagle_batch(rows[i : i + 8], noise=False)
@@ -365,8 +367,7 @@ class Trainer:
 
         from .models import eagle3_forward
 
-        s = self.shape
-        shape = (s["n_head"], s["n_head_kv"], s["head_dim"], s["rope_theta"], s["rms_eps"])
+        shape = self._layer_args()
         K = self.cfg.ttt_steps
         fwd = jax.jit(lambda p, t, e, q, v: eagle3_forward(p, t, e, q, v, K, *shape))
         rows = self._eagle_rows(docs)
