@@ -88,6 +88,12 @@ def test_suite_parsing(tmp_path):
            "common_perf_print:       total time =     146.09 ms /    18 tokens\n")
     assert parse_gen_tps(log) == pytest.approx(12 / 0.12417)
     assert bench.parse_eval_tps(log) == pytest.approx(12 / 0.11974)
+    # counted as ours: an answer that ended on its own leaves out the decode yielding only the end token
+    assert parse_gen_tps(log + "Hello there. [end of text]\n") == pytest.approx(11 / 0.12417)
+    # llama-lookup's count holds the first token and the end token (or runs to -n + 1 tokens)
+    dec = "decoded   46 tokens in    0.500 seconds, speed: 92 t/s"
+    assert parse_gen_tps(dec, 64) == pytest.approx(44 / 0.5)  # ended on its own: 45 text tokens
+    assert parse_gen_tps(dec, 45) == pytest.approx(45 / 0.5)  # ran to the limit: -n + 1 tokens
 
 
 def test_external_suites_from_wheels():

@@ -41,7 +41,7 @@ def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0, kv: str | No
                        "-t", str(eng.ctx.n_threads), "-c", str(eng.ctx.n_ctx), *kv_args, *extra]
                 t0 = time.perf_counter()
                 r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
-                tps = parse_gen_tps(r.stderr + r.stdout)
+                tps = parse_gen_tps(r.stderr + r.stdout, n)
                 if tps is None:
                     tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
                     print(f"edgespec: {exe} gave no timing on {item['id']}: {tail}", file=sys.stderr)
@@ -67,19 +67,29 @@ def parse_eval_count(text: str) -> int | None:
     return None
 
 
-def parse_gen_tps(text: str) -> float | None:
-    """Generation tokens/s over wall time, as edgespec counts its own (tokens after the first,
-    over the time from the first to the last): llama-lookup's `decoded N tokens in X seconds`
-    is that already; for llama-completion, its `N runs` over `total time` less `prompt eval
-    time` (the eval time it prints leaves out sampling and the loop around the decodes)."""
-    if _DECODED.search(text):
-        return parse_eval_tps(text)
+def parse_gen_tps(text: str, n_max: int | None = None) -> float | None:
+    """Generation tokens/s counted as edgespec counts its own: the answer's tokens after the
+    first (which comes with the prompt's logits), end-of-generation not counted, over the time
+    from the first token to the end. llama.cpp counts more over the same decodes:
+    llama-lookup's `decoded N tokens` holds the first token and the end-of-generation token
+    (and runs to `n_max` + 1 tokens when no end comes); llama-completion's `N runs` holds the
+    decode of the last text token, which only yields the end token. Both are brought to our
+    count here (`n_max`: the -n they ran with), which matters on short answers (a 10-token
+    answer: lookup +2 tokens, 20%). llama-completion's time is its `total time` less `prompt
+    eval time` (the eval time it prints leaves out sampling and the loop around the decodes)."""
+    m = _DECODED.search(text)
+    if m:
+        n, sec = int(m.group(1)), float(m.group(2))
+        ended = n_max is not None and n <= n_max  # stopped on end-of-generation before the limit
+        n -= 1 + int(ended)
+        return n / sec if sec > 0 and n > 0 else None
     total = _TOTAL.search(text)
     prompt = _PROMPT.search(text)
     runs = parse_eval_count(text)
     if total and prompt and runs:
         sec = (float(total.group(1)) - float(prompt.group(1))) / 1e3
-        if sec > 0:
+        runs -= int("[end of text]" in text)
+        if sec > 0 and runs > 0:
             return runs / sec
     return parse_eval_tps(text)
 
