@@ -90,11 +90,24 @@ def test_train_command_end_to_end(tmp_path, capsys):
     assert rc == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["stats"]["drafter"] == "medusa"
+    # a learning curve over the same (kept) data: each fraction trained from scratch, no heads written
+    out.unlink()
+    rc = main(["train", "medusa", "-m", "smollm2-135m-instruct:q4_0", "--data", "builtin", "--tokens", "800",
+               "--max-new", "48", "--epochs", "2", "--batch", "64", "--draft-vocab", "512", "--work", str(tmp_path / "w"),
+               "-o", str(out), "-q", "-c", "512", "--curve", "0.5,1"])  # more data: collection resumes
+    assert rc == 0 and not out.exists()
+    text = capsys.readouterr().out
+    assert "learning curve of medusa" in text
+    rows = json.loads((tmp_path / "w" / "learning-medusa.json").read_text())["rows"]
+    assert [r["fraction"] for r in rows] == [0.5, 1.0]
+    assert rows[0]["tokens"] < rows[1]["tokens"] and all(len(r["top1"]) == 3 for r in rows)
 
 
 def test_train_bad_input(capsys):
     assert main(["train", "medusa", "--tokens", "3"]) == 2
     assert "--tokens must be at least" in capsys.readouterr().err
+    assert main(["train", "medusa", "--curve", "0.5,2"]) == 2
+    assert "--curve takes fractions" in capsys.readouterr().err
 
 
 def test_train_eagle3_writes_llamacpps_file_whose_graph_is_the_trained_one(tmp_path):

@@ -248,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="folder for data, checkpoints, report and curves (default: in the cache, per target)")
     tr.add_argument("--exclude", default=None, metavar="FILE",
                     help="leave out prompts that are also in this JSONL file (your evaluation prompts)")
+    tr.add_argument("--curve", default=None, metavar="F,F,...",
+                    help="a learning curve instead of heads: train from scratch on these fractions of the "
+                         "training documents (e.g. 0.25,0.5,1) and report the held-out agreement of each")
     tr.add_argument("-o", "--output", default=None,
                     help="output .gguf (default: the heads cache, where --spec finds it for this target)")
     tr.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=2048, help="context for data collection (default: %(default)s)")

@@ -47,7 +47,7 @@ def run_train(a) -> int:
     from ..heads.store import heads_dir
     from ..models import cache_root
     from ..train.data import training_prompts
-    from ..train.run import check_extra, train_heads
+    from ..train.run import check_extra, learning_curve, train_heads
     from ..train.trainer import TrainConfig
 
     check_extra()
@@ -57,6 +57,7 @@ def run_train(a) -> int:
             raise EdgespecError(f"{name} must be at least {lo}")
     if not a.epochs > 0 or not a.lr > 0:
         raise EdgespecError("--epochs and --lr must be positive")
+    fractions = _fractions(a.curve) if a.curve is not None else None
     prompts = training_prompts(a.data, exclude=_load_exclude(a.exclude))
     if not prompts:
         raise EdgespecError("no training prompts left (check --data and --exclude)")
@@ -67,6 +68,21 @@ def run_train(a) -> int:
     cfg = TrainConfig(a.kind, epochs=a.epochs, batch=a.batch, lr=a.lr, draft_vocab=a.draft_vocab,
                       medusa_heads=a.medusa_heads, ttt_steps=a.ttt_steps)
     bars = _Bars(a.quiet)
+    if fractions is not None:
+        try:
+            with bars:
+                rows = learning_curve(engine, a.kind, prompts, work, a.tokens, cfg, fractions, bars.update, a.max_new)
+        except KeyboardInterrupt:
+            print(f"edgespec: interrupted; the collected data is kept in {work}", file=sys.stderr)
+            return 130
+        what = "head" if a.kind == "medusa" else "step"
+        print(f"learning curve of {a.kind}: held-out agreement by training tokens ({a.epochs:g} epochs each)")
+        print(f"  {'tokens':>8} {'docs':>5}  top-1 by {what}{'':<14} expected chain  training")
+        for r in rows:
+            top = " / ".join(f"{x:.0%}" for x in r["top1"])
+            print(f"  {r['tokens']:>8} {r['documents']:>5}  {top:<24} {r['mean_accepted']:>14.2f}  {r['t_train_s']:>6.0f} s")
+        print(f"  {work / f'learning-{a.kind}.json'}")
+        return 0
     try:
         with bars:
             res = train_heads(engine, a.kind, prompts, out, work, a.tokens, cfg, bars.update, a.max_new)
@@ -84,6 +100,16 @@ def run_train(a) -> int:
     print(f"  report and curves: {work}")
     print(out)
     return 0
+
+
+def _fractions(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or not all(0 < f <= 1 for f in out):
+        raise EdgespecError(f"--curve takes fractions in (0, 1], comma-separated (e.g. 0.25,0.5,1), not {text!r}")
+    return out
 
 
 class _Bars:
@@ -117,6 +143,10 @@ class _Bars:
                 print(f"step {info['step']}/{info['total']} loss {info['loss']:.3f}", file=sys.stderr)
             return
         p = self.progress
+        if stage == "curve":  # one point of a learning curve done: the next trains from step 0
+            if "train" in self.tasks:
+                p.reset(self.tasks["train"])
+            return
         if stage == "data":
             if "data" not in self.tasks:
                 self.tasks["data"] = p.add_task("data (tokens)", total=info["total"], info="")
@@ -124,5 +154,5 @@ class _Bars:
         else:
             if "train" not in self.tasks:
                 self.tasks["train"] = p.add_task("training (steps)", total=info["total"], info="")
-            p.update(self.tasks["train"], completed=info["step"],
+            p.update(self.tasks["train"], completed=info["step"], total=info["total"],
                      info=f"loss {info['loss']:.3f}  {info['tokens_per_s']:.0f} tok/s")

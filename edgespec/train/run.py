@@ -103,16 +103,7 @@ def train_heads(engine, kind: str, prompts: list[dict], out: Path, work: Path, t
     from ..heads.target import TargetWeights
 
     t0 = time.perf_counter()
-    taps = None
-    if kind == "eagle3":
-        from ..drafters.eagle3 import LAYER_INPUT_ARCHS
-
-        if engine.target.arch not in LAYER_INPUT_ARCHS:
-            raise EdgespecError(f"EAGLE-3 reads the inputs of three target layers, which llama.cpp records for "
-                                f"{', '.join(sorted(LAYER_INPUT_ARCHS)[:6])}, ... targets, not {engine.target.arch}")
-        taps = eagle3_taps(engine.target.n_layer)
-    ds = data_mod.collect(engine, prompts, work / ("data-eagle3" if taps else "data"), tokens, max_new,
-                          progress=lambda rows, total: progress("data", {"rows": rows, "total": total}), taps=taps)
+    ds = _collect(engine, kind, prompts, work, tokens, max_new, progress)
     t_data = time.perf_counter() - t0
     tw = TargetWeights(engine.target.path, engine.target.n_vocab, engine.target.n_embd)
     shape = eagle_shape(engine) if kind in ("eagle", "mtp", "eagle3") else None
@@ -131,6 +122,79 @@ def train_heads(engine, kind: str, prompts: list[dict], out: Path, work: Path, t
                                                            "config": asdict(cfg)}, indent=2))
     _plot(trainer.history, work / f"curves-{kind}.png", kind)
     return TrainResult(gguf, ckpt, report, before, len(ds.tokens), t_data, t_train)
+
+
+def _collect(engine, kind: str, prompts: list[dict], work: Path, tokens: int, max_new: int,
+             progress: Callable[[str, dict], None]) -> data_mod.Dataset:
+    """The kind's training data in `work` (collected, or resumed where it stopped)."""
+    taps = None
+    if kind == "eagle3":
+        from ..drafters.eagle3 import LAYER_INPUT_ARCHS
+
+        if engine.target.arch not in LAYER_INPUT_ARCHS:
+            raise EdgespecError(f"EAGLE-3 reads the inputs of three target layers, which llama.cpp records for "
+                                f"{', '.join(sorted(LAYER_INPUT_ARCHS)[:6])}, ... targets, not {engine.target.arch}")
+        taps = eagle3_taps(engine.target.n_layer)
+    return data_mod.collect(engine, prompts, work / ("data-eagle3" if taps else "data"), tokens, max_new,
+                            progress=lambda rows, total: progress("data", {"rows": rows, "total": total}), taps=taps)
+
+
+def learning_curve(engine, kind: str, prompts: list[dict], work: Path, tokens: int, cfg: TrainConfig,
+                   fractions: list[float], progress: Callable[[str, dict], None] = lambda stage, info: None,
+                   max_new: int = 256) -> list[dict]:
+    """Whether more data would help: train `kind` from scratch on each fraction of the training
+    documents (the same held-out documents for all) and report the held-out agreement of each.
+    Writes `learning-KIND.json` (and a PNG) in `work`; no heads."""
+    import tempfile
+
+    from ..heads.target import TargetWeights
+
+    ds = _collect(engine, kind, prompts, work, tokens, max_new, progress)
+    tw = TargetWeights(engine.target.path, engine.target.n_vocab, engine.target.n_embd)
+    shape = eagle_shape(engine) if kind in ("eagle", "mtp", "eagle3") else None
+    train_docs, _ = ds.split()
+    rows = []
+    for f in sorted(fractions):
+        docs = train_docs[: max(1, round(len(train_docs) * f))]
+        with tempfile.TemporaryDirectory(prefix="edgespec-curve-") as tmp:  # fresh, never resumed
+            t1 = time.perf_counter()
+            trainer = Trainer(cfg, ds, tw, Path(tmp), shape, progress=lambda info: progress("train", info),
+                              train_docs=docs)
+            trainer.train()
+            t_train = time.perf_counter() - t1
+            r = trainer.evaluate()
+        rows.append({"fraction": f, "documents": len(docs), "tokens": int(sum(ds.doc(j)[1] - ds.doc(j)[0] for j in docs)),
+                     "top1": r.top1, "top5": r.top5, "mean_accepted": r.mean_accepted, "t_train_s": t_train,
+                     "held_out_positions": r.n_positions})
+        progress("curve", rows[-1])
+    (work / f"learning-{kind}.json").write_text(json.dumps({"kind": kind, "config": asdict(cfg), "rows": rows}, indent=2))
+    _plot_curve(rows, work / f"learning-{kind}.png", kind)
+    return rows
+
+
+def _plot_curve(rows: list[dict], path: Path, kind: str) -> None:
+    """Held-out top-1 of the first head/step and the expected chain length against training tokens."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    x = [r["tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    lines = ax.plot(x, [100 * r["top1"][0] for r in rows], "o-", label="held-out top-1, first head/step (%)")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("%")
+    ax2 = ax.twinx()
+    lines += ax2.plot(x, [r["mean_accepted"] for r in rows], "s--", color="tab:orange", label="expected chain length")
+    ax2.set_ylabel("tokens per step")
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper left", fontsize=8)
+    ax.set_title(f"edgespec train {kind} --curve")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _plot(history: list[tuple[int, float]], path: Path, kind: str) -> None:

@@ -64,7 +64,9 @@ def pick_vocab(ds: Dataset, docs: list[int], k: int) -> np.ndarray:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, ds: Dataset, target_weights, work: Path, eagle_shape: dict | None = None,
-                 progress: Callable[[dict], None] | None = None):
+                 progress: Callable[[dict], None] | None = None, train_docs: list[int] | None = None):
+        """`train_docs`: train on these documents only (a learning curve); the held-out ones stay
+        the dataset's own split."""
         import jax
         import optax
 
@@ -72,6 +74,8 @@ class Trainer:
         self.work.mkdir(parents=True, exist_ok=True)
         self.progress = progress or (lambda info: None)
         self.train_docs, self.test_docs = ds.split()
+        if train_docs is not None:
+            self.train_docs = list(train_docs)
         if not self.train_docs:
             raise EdgespecError("too little data: no training documents")
         self.vocab = pick_vocab(ds, self.train_docs, cfg.draft_vocab)
