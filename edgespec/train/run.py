@@ -100,13 +100,11 @@ def export(trainer: Trainer, folder: Path, target_name: str, shape: dict | None)
 def train_heads(engine, kind: str, prompts: list[dict], out: Path, work: Path, tokens: int, cfg: TrainConfig,
                 progress: Callable[[str, dict], None] = lambda stage, info: None, max_new: int = 256) -> TrainResult:
     from ..heads.store import convert_any
-    from ..heads.target import TargetWeights
 
     t0 = time.perf_counter()
     ds = _collect(engine, kind, prompts, work, tokens, max_new, progress)
     t_data = time.perf_counter() - t0
-    tw = TargetWeights(engine.target.path, engine.target.n_vocab, engine.target.n_embd)
-    shape = eagle_shape(engine) if kind in ("eagle", "mtp", "eagle3") else None
+    tw, shape = _target_inputs(engine, kind)
     trainer = Trainer(cfg, ds, tw, work, shape, progress=lambda info: progress("train", info))
     before = trainer.evaluate(trainer.untrained())
     t1 = time.perf_counter()
@@ -122,6 +120,14 @@ def train_heads(engine, kind: str, prompts: list[dict], out: Path, work: Path, t
                                                            "config": asdict(cfg)}, indent=2))
     _plot(trainer.history, work / f"curves-{kind}.png", kind)
     return TrainResult(gguf, ckpt, report, before, len(ds.tokens), t_data, t_train)
+
+
+def _target_inputs(engine, kind: str):
+    """The target's embeddings/LM head, and the layer shape the EAGLE-like heads copy."""
+    from ..heads.target import TargetWeights
+
+    tw = TargetWeights(engine.target.path, engine.target.n_vocab, engine.target.n_embd)
+    return tw, (eagle_shape(engine) if kind in ("eagle", "mtp", "eagle3") else None)
 
 
 def _collect(engine, kind: str, prompts: list[dict], work: Path, tokens: int, max_new: int,
@@ -147,11 +153,8 @@ def learning_curve(engine, kind: str, prompts: list[dict], work: Path, tokens: i
     Writes `learning-KIND.json` (and a PNG) in `work`; no heads."""
     import tempfile
 
-    from ..heads.target import TargetWeights
-
     ds = _collect(engine, kind, prompts, work, tokens, max_new, progress)
-    tw = TargetWeights(engine.target.path, engine.target.n_vocab, engine.target.n_embd)
-    shape = eagle_shape(engine) if kind in ("eagle", "mtp", "eagle3") else None
+    tw, shape = _target_inputs(engine, kind)
     train_docs, _ = ds.split()
     rows = []
     for f in sorted(fractions):
@@ -172,14 +175,22 @@ def learning_curve(engine, kind: str, prompts: list[dict], work: Path, tokens: i
     return rows
 
 
-def _plot_curve(rows: list[dict], path: Path, kind: str) -> None:
-    """Held-out top-1 of the first head/step and the expected chain length against training tokens."""
+def _pyplot():
+    """matplotlib's pyplot without a display, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _plot_curve(rows: list[dict], path: Path, kind: str) -> None:
+    """Held-out top-1 of the first head/step and the expected chain length against training tokens."""
+    plt = _pyplot()
+    if plt is None:
         return
     x = [r["tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -199,12 +210,8 @@ def _plot_curve(rows: list[dict], path: Path, kind: str) -> None:
 
 def _plot(history: list[tuple[int, float]], path: Path, kind: str) -> None:
     """The training loss curve as a PNG (skipped without matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return
     if not history:
         return
