@@ -78,13 +78,28 @@ def _draft(engine, opt):
                              opt.seed, t_token=engine.draft_cost.t(1))
 
 
+def native_mtp(engine) -> bool:
+    """Whether the target has nextn (MTP) layers that llama.cpp can run as a drafter."""
+    from .drafters.mtp import MTP_ARCHS
+
+    t = engine.target
+    return t.n_layer_nextn > 0 and t.load_mtp and t.arch in MTP_ARCHS
+
+
 def _auto(engine, opt):
+    """The drafters this model has, chained: the trie first (on a copy its long drafts beat any
+    one-token guess), then the model's own MTP layers, then the draft model; each drafts only
+    where its measured cost and confidence say a verified row pays."""
     from .drafters import ChainDrafter
 
-    look = _lookahead(engine, opt)
-    if engine.draft_model is None or not opt.single_sequence:
-        return look
-    return ChainDrafter([look, _draft(engine, opt)])
+    chain = [_lookahead(engine, opt)]
+    if opt.single_sequence and native_mtp(engine):
+        from .drafters.mtp import build
+
+        chain.append(build(engine))
+    if opt.single_sequence and engine.draft_model is not None:
+        chain.append(_draft(engine, opt))
+    return chain[0] if len(chain) == 1 else ChainDrafter(chain)
 
 
 def _medusa(engine, opt):
@@ -125,7 +140,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("lookahead", "a prefix trie of prompt and output n-grams, several branches verified as a tree",
            build=_lookahead, trees=True, multi_sequence=True),
     Method("draft", "a small GGUF with the same vocabulary drafts a chain", build=_draft, needs_draft_model=True),
-    Method("auto", "lookahead; when it has nothing worth verifying, the draft model if -md is given",
+    Method("auto", "lookahead; when it has nothing worth verifying, the model's own MTP layers if it has "
+           "them, then the draft model if -md is given",
            build=_auto, trees=True, multi_sequence=True),
     Method("pearl", "the draft model drafts in its own thread while the target verifies (PEARL)",
            scheduler="pearl", needs_draft_model=True),

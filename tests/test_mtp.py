@@ -284,6 +284,35 @@ def test_spec_mtp_through_the_registry(agree):
     assert gen.stats.n_drafted > 0 and gen.stats.n_accept == gen.stats.n_drafted
 
 
+@pytest.mark.parametrize("which", ["random", "agree"])
+def test_spec_auto_chains_the_trie_and_the_mtp(models, rand, agree, which):
+    """`--spec auto` on a model with nextn layers: the trie drafts where the text repeats, the
+    MTP elsewhere, and the MTP's cache follows the steps the trie drafted (the target's rows are
+    reported whoever drafted). The counting model, from this prompt, writes 8, 9, ...: at 50 the
+    trie finds 51 52 53 in the prompt (then 9, rejected), the MTP takes over again, and the
+    output repeats itself after 64 tokens (the trie's again). Greedy output equals plain
+    decoding, through the random model's rejections too."""
+    eng = {"random": rand, "agree": agree}[which]
+    prompt = [50, 51, 52, 53, 9, 2, 40, 7]
+    gen = eng.start(prompt, 160, GREEDY, "auto")
+    events = list(gen)
+    assert gen.drafter_name == "lookahead+mtp"
+    assert gen.tokens == eng.start(prompt, 160, GREEDY, "none").run().tokens
+    by = {src: sum(ev.n_drafted for ev in events if ev.drafter == src) for src in ("lookahead", "mtp")}
+    assert by["mtp"] > 0 and by["lookahead"] > 0
+    if which == "agree":
+        first = next(i for i, ev in enumerate(events) if ev.drafter == "lookahead" and ev.n_drafted)
+        after = [ev for ev in events[first:] if ev.drafter == "mtp" and ev.n_drafted]
+        assert after, "the MTP never drafted after the trie"
+        assert all(ev.n_accept == ev.n_drafted for ev in after), "the MTP lost its place after the trie's steps"
+    # without nextn layers auto is the trie alone
+    plain_eng = _engine(models["plain"])
+    try:
+        assert plain_eng.start(prompt, 8, GREEDY, "auto").run().drafter_name == "lookahead"
+    finally:
+        _close(plain_eng)
+
+
 @pytest.mark.skipif(not SPEC_BIN.exists(), reason="llama-speculative-simple (reference build) not found")
 @pytest.mark.parametrize("which", ["random", "agree"])
 def test_same_text_as_llama_speculative_simple(models, which):
