@@ -104,7 +104,9 @@ def test_stats_are_consistent(smol):
 def test_sampled_lookahead_tree_runs_and_is_seeded(smol):
     from edgespec.sampling import SamplingConfig
 
-    toks = smol.prompt_tokens(PROMPTS[3])
+    # the list's items follow "- " in several ways: the trie has branches whatever is drawn (the
+    # sentence of PROMPTS[3] drew trees on one CPU and none on another, its sampled text differing)
+    toks = smol.prompt_tokens(PROMPTS[0])
     cfg = SamplingConfig(temp=0.7, seed=5)
     runs = []
     for _ in range(2):
