@@ -78,7 +78,7 @@ def _draft(engine, opt):
                              opt.seed, t_token=engine.draft_cost.t(1))
 
 
-def native_mtp(engine) -> bool:
+def _native_mtp(engine) -> bool:
     """Whether the target has nextn (MTP) layers that llama.cpp can run as a drafter."""
     from .drafters.mtp import MTP_ARCHS
 
@@ -93,7 +93,7 @@ def _auto(engine, opt):
     from .drafters import ChainDrafter
 
     chain = [_lookahead(engine, opt)]
-    if opt.single_sequence and native_mtp(engine):
+    if opt.single_sequence and _native_mtp(engine):
         from .drafters.mtp import build
 
         chain.append(build(engine))
