@@ -86,19 +86,30 @@ def _native_mtp(engine) -> bool:
     return t.n_layer_nextn > 0 and t.load_mtp and t.arch in MTP_ARCHS
 
 
+def auto_members(engine, single_sequence: bool = True) -> list[str]:
+    """What `auto` chains on this engine, in order: the trie first (on a copy its long drafts
+    beat any one-token guess), then the model's own MTP layers, then the draft model (these two
+    with one sequence per decode); each drafts only where its measured cost and confidence say a
+    verified row pays."""
+    out = ["lookahead"]
+    if single_sequence and _native_mtp(engine):
+        out.append("mtp")
+    if single_sequence and engine.draft_model is not None:
+        out.append("draft")
+    return out
+
+
+def _native_mtp_drafter(engine, opt):
+    from .drafters.mtp import build
+
+    return build(engine)
+
+
 def _auto(engine, opt):
-    """The drafters this model has, chained: the trie first (on a copy its long drafts beat any
-    one-token guess), then the model's own MTP layers, then the draft model; each drafts only
-    where its measured cost and confidence say a verified row pays."""
     from .drafters import ChainDrafter
 
-    chain = [_lookahead(engine, opt)]
-    if opt.single_sequence and _native_mtp(engine):
-        from .drafters.mtp import build
-
-        chain.append(build(engine))
-    if opt.single_sequence and engine.draft_model is not None:
-        chain.append(_draft(engine, opt))
+    build = {"lookahead": _lookahead, "mtp": _native_mtp_drafter, "draft": _draft}
+    chain = [build[name](engine, opt) for name in auto_members(engine, opt.single_sequence)]
     return chain[0] if len(chain) == 1 else ChainDrafter(chain)
 
 

@@ -133,9 +133,11 @@ def test_doctor_reports_backend_curve_probe_and_policy():
     assert any(dev["type"] == "cpu" for dev in d["devices"]) and d["layers"] == 30
     assert d["exactness"]["policy"] == "strict" and d["exactness"]["max_exact_rows"] >= 2
     assert d["cost"]["k"][0] == 1 and isinstance(d["gpu_offload_supported"], bool)
+    assert d["auto"] == ["lookahead"] and {"none", "lookahead", "auto"} <= set(d["methods"])  # no -md, no nextn
     r = subprocess.run([sys.executable, "-m", "edgespec", "doctor", "-m", "smollm2-135m-instruct:q4_0", "-t", "2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "exactness probe" in r.stdout and "policy: strict" in r.stdout
+    assert "auto drafts with lookahead" in r.stdout
 
 
 def test_probe_finds_the_f16_split_path_and_keeps_q8_0_k_exact(smol):

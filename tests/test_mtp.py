@@ -17,7 +17,7 @@ import pytest
 
 from synthetic_mtp import agree_next, write_mimo2_mtp
 
-from edgespec import llama_ext
+from edgespec import llama_ext, methods
 from edgespec.costmodel import flat
 from edgespec.drafters import mtp
 from edgespec.engine import Engine, EngineConfig
@@ -296,7 +296,7 @@ def test_spec_auto_chains_the_trie_and_the_mtp(models, rand, agree, which):
     prompt = [50, 51, 52, 53, 9, 2, 40, 7]
     gen = eng.start(prompt, 160, GREEDY, "auto")
     events = list(gen)
-    assert gen.drafter_name == "lookahead+mtp"
+    assert gen.drafter_name == "lookahead+mtp" and methods.auto_members(eng) == ["lookahead", "mtp"]
     assert gen.tokens == eng.start(prompt, 160, GREEDY, "none").run().tokens
     by = {src: sum(ev.n_drafted for ev in events if ev.drafter == src) for src in ("lookahead", "mtp")}
     assert by["mtp"] > 0 and by["lookahead"] > 0

@@ -8,9 +8,9 @@ from .. import __version__
 
 
 def report(engine) -> dict:
-    from .. import backend
-
     import llama_cpp
+
+    from .. import backend, methods
 
     m, cfg = engine.target, engine.cfg
     n_layer = m.n_layer
@@ -24,6 +24,7 @@ def report(engine) -> dict:
         "offloaded_layers": offloaded if engine.on_gpu else 0, "threads": engine.ctx.n_threads,
         "kv_type": cfg.kv_type, "context": engine.n_ctx_seq,
         "cost": engine.cost.to_dict(), "exactness": engine.exactness_info(),
+        "methods": methods.available(engine), "auto": methods.auto_members(engine),
     }
 
 
@@ -64,4 +65,5 @@ def run_doctor(a, cfg) -> int:
           f"|delta logit| at 2-32 rows: {'not measured' if diff is None else f'{diff:.3g}'}")
     print(f"policy: {ex['policy']} (--exactness {ex['requested']}), verifying up to {ex['max_verify_rows']} rows: "
           f"{ex['guarantee']}")
+    print(f"methods: {', '.join(r['methods'])}; auto drafts with {' then '.join(r['auto'])}")
     return 0
