@@ -100,6 +100,7 @@ def auto_members(engine, single_sequence: bool = True) -> list[str]:
 
 
 def _native_mtp_drafter(engine, opt):
+    """The target's own nextn layers in llama.cpp (`mtp` and `auto` build it here)."""
     from .drafters.mtp import build
 
     return build(engine)
@@ -129,9 +130,7 @@ def _eagle(engine, opt):
 def _mtp(engine, opt):
     """The model's own nextn layers in llama.cpp where it has them, else a trained MTP module."""
     if engine.target.n_layer_nextn > 0 and not engine.cfg.heads:
-        from .drafters.mtp import build
-
-        return build(engine)
+        return _native_mtp_drafter(engine, opt)
     from .drafters.heads import EagleDrafter
 
     return EagleDrafter(engine.load_heads("mtp"), depth=max(1, min(engine.cfg.draft_n_max, 1 + engine.cfg.draft_n_min // 4)),
