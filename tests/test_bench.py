@@ -96,6 +96,31 @@ def test_suite_parsing(tmp_path):
     assert parse_gen_tps(dec, 45) == pytest.approx(45 / 0.5)  # ran to the limit: -n + 1 tokens
 
 
+def test_llama_lookup_is_checked_against_llama_completion():
+    """llama-lookup's answer is compared with llama-completion's (both echo the prompt first,
+    with special tokens or without), and the report says in how many runs it kept it."""
+    from edgespec.frontends.bench.llamacpp import answer_text, same_answer
+    from edgespec.frontends.bench.report import render_markdown
+    from edgespec.frontends.bench.stats import summarize
+    from edgespec.costmodel import flat
+
+    forms = ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "user\nhi\nassistant\n")
+    plain = answer_text("user\nhi\nassistant\nHello there, friend.", forms)
+    lookup = answer_text("\n\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nHello there, friend.<|im_end|>", forms)
+    assert plain == "Hello there, friend." and lookup.startswith(plain)
+    assert answer_text("something else", forms) is None
+    assert same_answer(plain, lookup) and same_answer("Hello there", "Hello there, friend.")
+    assert not same_answer(plain, "Hello here, friend.")
+    assert not same_answer("", plain * 10)  # an empty or cut-off answer is not the same answer
+    recs = [{"id": f"p{i}", "category": "c", "method": m, "repeat": 0, "tokens_per_s": 10.0, "match": None,
+             **({"same_as_own_plain": i == 0} if m == "llama.cpp:lookup" else {})}
+            for i in range(2) for m in ("llama.cpp:completion", "llama.cpp:lookup")]
+    report = summarize(recs, ["llama.cpp:lookup", "llama.cpp:completion"], flat(), 100)
+    assert report["llama_cpp_lookup_exact"] == {"same": 1, "runs": 2, "differ": ["p1"]}
+    assert "llama-lookup kept llama-completion's answer" in render_markdown(report)
+    assert "in 1 of 2 runs (another answer on p1)" in render_markdown(report)
+
+
 def test_external_suites_from_wheels():
     mt = load_suite("mtbench")
     assert len(mt) == 80 and mt[0]["category"].startswith("mtbench-")

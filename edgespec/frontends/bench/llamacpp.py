@@ -28,16 +28,20 @@ def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0, kv: str | No
     kv_args = [] if kv == "default" else ["-ctk", kv_types(kv)[0], "-ctv", kv_types(kv)[1]]
     rows = []
     for item, toks, n in prompts:
+        prompt_forms = (eng.target.detokenize(toks, special=True), eng.target.detokenize(toks))
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-            f.write(eng.target.detokenize(toks, special=True))
+            f.write(prompt_forms[0])
             pf = f.name
+        answers = {}
         try:
             for name, exe, extra in (("llama.cpp:completion", "llama-completion", ["-no-cnv"]),
                                      ("llama.cpp:lookup", "llama-lookup", [])):
                 path = bind / exe
                 if not path.exists():
                     raise EdgespecError(f"{path} not found (build it with shared/tools/build-llama-cpp-tools.sh)")
-                cmd = [str(path), "-m", str(eng.target.path), "-f", pf, "-n", str(n), "--temp", "0",
+                # --no-escape: llama.cpp turns "\\" in a prompt file into "\" unless told not to,
+                # which would give its tools another prompt than ours wherever code has backslashes
+                cmd = [str(path), "-m", str(eng.target.path), "-f", pf, "--no-escape", "-n", str(n), "--temp", "0",
                        "-t", str(eng.ctx.n_threads), "-c", str(eng.ctx.n_ctx), *kv_args, *extra]
                 t0 = time.perf_counter()
                 r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
@@ -50,9 +54,40 @@ def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0, kv: str | No
                              "tokens_per_s": tps, "eval_tokens_per_s": parse_eval_tps(r.stderr + r.stdout),
                              "kv_type": kv, "n_generated": parse_eval_count(r.stderr + r.stdout),
                              "wall_s": time.perf_counter() - t0, "match": None, "stdout": r.stdout})
+                answers[name] = rows[-1]["answer"] = answer_text(r.stdout, prompt_forms)
         finally:
             os.unlink(pf)
+        # Does llama-lookup keep llama.cpp's own plain answer (same cache)? Not always: with an
+        # f16 cache its batches take other attention kernels than one-row decodes.
+        plain, lookup = answers.get("llama.cpp:completion"), answers.get("llama.cpp:lookup")
+        if plain is not None and lookup is not None:
+            for rec in rows[-2:]:
+                if rec["id"] == item["id"] and rec["method"] == "llama.cpp:lookup":
+                    rec["same_as_own_plain"] = same_answer(plain, lookup)
     return rows
+
+
+def answer_text(stdout: str, prompt_forms: tuple[str, ...]) -> str | None:
+    """The generated text in a llama.cpp tool's stdout, which echoes the prompt first (with its
+    special tokens or without, per tool); None when the echo is not found."""
+    out = stdout.lstrip()
+    for p in prompt_forms:
+        p = p.lstrip()
+        if p and out.startswith(p):
+            return out[len(p):]
+    return None
+
+
+def same_answer(a: str, b: str) -> bool:
+    """Two greedy answers agree when the shorter begins the longer and they differ by a few
+    tokens at most: the tools stop a token or two apart at the `-n` limit (llama-completion
+    prints `-n` - 1 tokens, llama-lookup `-n` + 1) and llama-lookup prints the end token."""
+    a, b = a.strip(), b.strip()
+    short, long_ = sorted((a, b), key=len)
+    return long_.startswith(short) and len(long_) - len(short) <= SLACK_CHARS
+
+
+SLACK_CHARS = 64  # a few tokens' worth of text
 
 
 def parse_eval_count(text: str) -> int | None:

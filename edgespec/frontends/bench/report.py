@@ -33,6 +33,11 @@ def render_markdown(report: dict) -> str:
             f"{r['draft_ms_per_token']:.2f}" + ("" if r.get("plain_step_ms") is None else f" ({r['plain_step_ms']:.1f})"))
         lines.append(f"| {r['method']} | {r['category']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {sp} | {own} | {eff} | "
                      f"{acc} | {mal} | {pos} | {share} | {dms} | {ok} |")
+    lx = report.get("llama_cpp_lookup_exact")
+    if lx:
+        differ = f" (another answer on {', '.join(lx['differ'])})" if lx["differ"] else ""
+        lines += ["", f"llama-lookup kept llama-completion's answer (llama.cpp's own plain decoding, same KV cache) "
+                      f"in {lx['same']} of {lx['runs']} runs{differ}."]
     return "\n".join(lines)
 
 

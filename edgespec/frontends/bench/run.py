@@ -16,7 +16,7 @@ from ... import methods as registry
 from ...errors import EdgespecError
 from ...sampling import SamplingConfig
 from ..console import stderr_console
-from .llamacpp import run_llama_cpp
+from .llamacpp import run_llama_cpp, same_answer
 from .report import render_markdown, write_charts
 from .stats import geomean, summarize, _r
 from .suites import load_suite
@@ -82,12 +82,13 @@ def run_bench(a, engine_cfg) -> int:
                                  **g.stats.to_dict()})
                     prog.update(task, advance=1, info=f"{item['id']} {m} {g.stats.tokens_per_s:.0f} tok/s")
                 ref = outputs.get("none")
-                # llama.cpp's text: the same as ours when its answer holds our plain answer (another
+                # llama.cpp's text: the same as ours when its answer is our plain answer (another
                 # KV cache type may change the answer: then its tokens/s is for another text)
                 ref_text = eng.target.detokenize(ref).strip() if ref is not None else None
                 for rec in theirs:
-                    out = rec.pop("stdout", "")
-                    records.append({**rec, "match": None if ref_text is None else ref_text in out})
+                    out, ans = rec.pop("stdout", ""), rec.pop("answer", None)
+                    match = None if ref_text is None else same_answer(ref_text, ans) if ans is not None else ref_text in out
+                    records.append({**rec, "match": match})
                 for rec in sorted(step, key=lambda r: methods.index(r["method"])):
                     m = rec["method"]
                     match = outputs[m] == ref

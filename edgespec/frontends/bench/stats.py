@@ -67,8 +67,15 @@ def summarize(records: list[dict], methods: list[str], cost, n_past: int, limit:
                 # llama.cpp's outputs are not compared (None): its text is printed, not its tokens
                 "all_match": None if all(r.get("match") is None for r in sel) else all(r.get("match", True) for r in sel),
             })
-    return {"summary": rows, "cost_ms": cost.to_dict(),
-            "ceiling": {"speedup": round(top, 3), "draft_len": top_k, "n_past": n_past}}
+    out = {"summary": rows, "cost_ms": cost.to_dict(),
+           "ceiling": {"speedup": round(top, 3), "draft_len": top_k, "n_past": n_past}}
+    checked = [r for r in records if r.get("same_as_own_plain") is not None]
+    if checked:
+        # llama-lookup against llama-completion, both llama.cpp's: is its drafting lossless?
+        out["llama_cpp_lookup_exact"] = {
+            "same": sum(bool(r["same_as_own_plain"]) for r in checked), "runs": len(checked),
+            "differ": sorted({r["id"] for r in checked if not r["same_as_own_plain"]})}
+    return out
 
 
 def _plain_step_ms(records: list[dict]) -> float | None:
