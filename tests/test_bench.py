@@ -107,7 +107,10 @@ def test_llama_lookup_is_checked_against_llama_completion():
     forms = ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "user\nhi\nassistant\n")
     plain = answer_text("user\nhi\nassistant\nHello there, friend.", forms)
     lookup = answer_text("\n\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nHello there, friend.<|im_end|>", forms)
-    assert plain == "Hello there, friend." and lookup.startswith(plain)
+    assert plain == "Hello there, friend." and lookup == plain
+    # an answer that ended on its own: each tool marks the end its own way
+    assert answer_text("user\nhi\nassistant\nHello. [end of text]\n\n", forms) == "Hello."
+    assert answer_text("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n", forms) == "Hello."
     assert answer_text("something else", forms) is None
     assert same_answer(plain, lookup) and same_answer("Hello there", "Hello there, friend.")
     assert not same_answer(plain, "Hello here, friend.")

@@ -74,8 +74,13 @@ def answer_text(stdout: str, prompt_forms: tuple[str, ...]) -> str | None:
     for p in prompt_forms:
         p = p.lstrip()
         if p and out.startswith(p):
-            return out[len(p):]
+            return _END.sub("", out[len(p):].rstrip())
     return None
+
+
+# how the tools mark an answer that ended on its own: llama-completion prints "[end of text]",
+# llama-lookup the end token's text ("<|im_end|>", "<end_of_turn>", "</s>")
+_END = re.compile(r"\s*(\[end of text\]|<[^<>\s]{1,32}>)$")
 
 
 def same_answer(a: str, b: str) -> bool:
