@@ -52,7 +52,7 @@ def _none(engine, opt):
 def _ngram(engine, opt):
     from .drafters.ngram import NgramDrafter
 
-    return NgramDrafter()
+    return NgramDrafter(is_stop=engine.target.is_eog)
 
 
 def _lookahead(engine, opt):
@@ -65,7 +65,7 @@ def _lookahead(engine, opt):
     if engine.lookahead_calib is None:
         engine.lookahead_calib = new_calibration()
     return LookaheadDrafter(cache_path=engine.cfg.lookahead_cache, max_branches=opt.max_branches,
-                            calib=engine.lookahead_calib)
+                            calib=engine.lookahead_calib, is_stop=engine.target.is_eog)
 
 
 def _draft(engine, opt):

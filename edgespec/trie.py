@@ -146,12 +146,14 @@ class TokenTrie:
         max_branches: int,
         calib: Callable[[int], float] | None = None,
         min_path: float = 1e-3,
+        is_stop: Callable[[int], bool] | None = None,
     ) -> list[Candidate]:
         """Best-first expansion below `node`: candidates in order of non-increasing path chance.
 
         Any prefix of the result is a valid tree (a parent precedes its children) with at most
         `max_branches` leaves. A child's conditional chance is its share of its siblings'
-        counts, smoothed, times the per-depth calibration `calib(depth)`.
+        counts, smoothed, times the per-depth calibration `calib(depth)`. A token for which
+        `is_stop` holds (end of generation) is a leaf: nothing after it could be used.
         """
         out: list[Candidate] = []
         heap: list[tuple[float, int, TrieNode, int, int, float, float, int]] = []
@@ -189,7 +191,8 @@ class TokenTrie:
             n_children[parent_idx + 1] += 1
             out.append(Candidate(tok, parent_idx, depth, raw, cond, -negp))
             n_children.append(0)
-            push(child, len(out) - 1, depth + 1, -negp)
+            if is_stop is None or not is_stop(tok):
+                push(child, len(out) - 1, depth + 1, -negp)
         return out
 
     # -- maintenance ----------------------------------------------------------------------

@@ -17,7 +17,8 @@ def plain_smol(smol):
 @pytest.mark.parametrize("gpu_like", [False, True])
 def test_draft_free_methods_equal_plain(smol, plain_smol, method, gpu_like):
     drafted = accepted = 0
-    multi_branch_steps = relaid = 0
+    multi_branch_steps = relaid = eog_nodes = 0
+    eog = smol.target.is_eog
     for p in PROMPTS:
         spy = Spy(smol.make_drafter(method))
         g = generate(smol, smol.prompt_tokens(p), N, drafter=spy, gpu_like=gpu_like)
@@ -27,7 +28,13 @@ def test_draft_free_methods_equal_plain(smol, plain_smol, method, gpu_like):
         for draft, acc in spy.log:
             multi_branch_steps += len(draft.leaves()) > 1
             relaid += bool(acc) and not all(draft.parents[a] == a - 1 for a in acc)
+            eog_nodes += sum(map(eog, draft.tokens))
+            # the prompt's continuations run on into the chat template; nothing after an end of
+            # generation can be kept, so a draft goes up to it and no further
+            assert not any(par >= 0 and eog(draft.tokens[par]) for par in draft.parents)
     assert drafted > 0 and accepted > 0
+    if method == "lookahead":
+        assert eog_nodes > 0, "no draft reached an end-of-generation token"
     if method == "lookahead" and gpu_like:
         assert multi_branch_steps > 0, "no tree with several branches was verified"
         assert relaid > 0, "no accepted path off the first branch (re-laid KV) was exercised"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 from ..draft import Draft
 from ..trie import OUTPUT, PROMPT, Cursor, TokenTrie
@@ -36,9 +37,13 @@ class LookaheadDrafter:
         trie: TokenTrie | None = None,
         shared: bool = False,
         calib: dict[int, Calibration] | None = None,
+        is_stop: Callable[[int], bool] | None = None,
     ):
         """`shared`: the trie is fed by several requests at once (batch mode); each drafter keeps
-        its own insertion cursor, and prompt branches stay until the owner releases them."""
+        its own insertion cursor, and prompt branches stay until the owner releases them.
+        `is_stop(token)`: the token ends a generation (the target's end-of-generation tokens), so
+        a branch is drafted up to it and not past it: a chat prompt's branches run on into the
+        template's `<|im_end|>`, `<|im_start|>assistant`, which an answer never continues into."""
         self.cache_path = Path(cache_path) if cache_path else None
         self.trie = trie or load_trie(self.cache_path, window)
         self.shared = shared
@@ -47,6 +52,7 @@ class LookaheadDrafter:
         self.max_nodes = max_nodes
         self.max_branches = max_branches
         self.calib = calib if calib is not None else new_calibration(max_match)
+        self.is_stop = is_stop
         self._skipped = 0
         self._s = 1
         self.last_branches = 0
@@ -63,7 +69,8 @@ class LookaheadDrafter:
         if node is None or limit <= 0:
             return Draft()
         cal = self.calib[s]
-        cands = self.trie.candidates(node, limit, min(self.max_branches, budget.max_branches), cal.factor)
+        cands = self.trie.candidates(node, limit, min(self.max_branches, budget.max_branches), cal.factor,
+                                     is_stop=self.is_stop)
         size = budget.size([c.path for c in cands])
         if size == 0:
             # Not paying now; probe with the best token now and then so estimates can recover.
@@ -89,13 +96,15 @@ class SharedLookahead:
     feeds and reads the same trie, so similar requests draft from each other. Prompt branches
     stay until `close`, which releases them and saves the trie to `cache_path` when given."""
 
-    def __init__(self, cache_path: str | Path | None = None):
+    def __init__(self, cache_path: str | Path | None = None, is_stop: Callable[[int], bool] | None = None):
         self.cache_path = cache_path
         self.trie = load_trie(Path(cache_path) if cache_path else None)
         self.calib = new_calibration()
+        self.is_stop = is_stop
 
     def drafter(self, max_branches: int) -> LookaheadDrafter:
-        return LookaheadDrafter(max_branches=max_branches, trie=self.trie, shared=True, calib=self.calib)
+        return LookaheadDrafter(max_branches=max_branches, trie=self.trie, shared=True, calib=self.calib,
+                                is_stop=self.is_stop)
 
     def close(self) -> None:
         release_and_save(self.trie, self.cache_path)

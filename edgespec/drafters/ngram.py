@@ -52,8 +52,10 @@ class NgramDrafter:
     name = "ngram"
     needs_target_hidden = False
 
-    def __init__(self, n_min: int = 1, n_max: int = 3, max_len: int = 16):
+    def __init__(self, n_min: int = 1, n_max: int = 3, max_len: int = 16, is_stop=None):
+        """`is_stop(token)`: the token ends a generation; a draft ends with it (see lookahead)."""
         self.index = NgramIndex(n_min, n_max)
+        self.is_stop = is_stop
         self.max_len = max_len
         # Chance that a token is accepted given the one before it was, per matched n and depth;
         # longer matches start more trusted.
@@ -69,6 +71,9 @@ class NgramDrafter:
         if k <= 0:
             return Draft()
         n, cont = self.index.lookup(context, k)
+        if self.is_stop is not None:
+            cut = next((i for i, t in enumerate(cont) if self.is_stop(t)), None)
+            cont = cont if cut is None else cont[: cut + 1]
         if not cont:
             return Draft()
         cal = self.cond[n]

@@ -108,7 +108,7 @@ class MultiDecoder:
         self.ctx = engine.use_streams(self.n_parallel)
         self.kvs = [KVSeq(self.ctx, i) for i in range(self.n_parallel)]
         self.max_draft = 16
-        self.shared = SharedLookahead(engine.cfg.lookahead_cache) if m.trees else None
+        self.shared = SharedLookahead(engine.cfg.lookahead_cache, engine.target.is_eog) if m.trees else None
         self._zero_steps = 0
 
     @property

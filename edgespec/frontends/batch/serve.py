@@ -164,7 +164,7 @@ def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, 
     from ...drafters.lookahead import SharedLookahead
 
     m = methods.get(method)
-    shared = SharedLookahead(engine.cfg.lookahead_cache) if m.trees else None
+    shared = SharedLookahead(engine.cfg.lookahead_cache, engine.target.is_eog) if m.trees else None
     try:
         for req in reqs:
             if req is None:
