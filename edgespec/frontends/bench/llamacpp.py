@@ -18,6 +18,9 @@ _EVAL = re.compile(r"eval time =\s*([\d.]+) ms /\s*(\d+) (?:runs|tokens)")
 _TOTAL = re.compile(r"total time =\s*([\d.]+) ms")
 _PROMPT = re.compile(r"prompt eval time =\s*([\d.]+) ms")
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+# how the tools mark an answer that ended on its own: llama-completion prints "[end of text]",
+# llama-lookup the end token's text ("<|im_end|>", "<end_of_turn>", "</s>")
+_END = re.compile(r"\s*(\[end of text\]|<[^<>\s]{1,32}>)$")
 
 
 def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0, kv: str | None = None) -> list[dict]:
@@ -60,10 +63,8 @@ def run_llama_cpp(bin_dir: str, eng, prompts, cfg, repeat: int = 0, kv: str | No
         # Does llama-lookup keep llama.cpp's own plain answer (same cache)? Not always: with an
         # f16 cache its batches take other attention kernels than one-row decodes.
         plain, lookup = answers.get("llama.cpp:completion"), answers.get("llama.cpp:lookup")
-        if plain is not None and lookup is not None:
-            for rec in rows[-2:]:
-                if rec["id"] == item["id"] and rec["method"] == "llama.cpp:lookup":
-                    rec["same_as_own_plain"] = same_answer(plain, lookup)
+        if plain is not None and lookup is not None:  # llama-lookup ran last: its record is the last
+            rows[-1]["same_as_own_plain"] = same_answer(plain, lookup)
     return rows
 
 
@@ -76,11 +77,6 @@ def answer_text(stdout: str, prompt_forms: tuple[str, ...]) -> str | None:
         if p and out.startswith(p):
             return _END.sub("", out[len(p):].rstrip())
     return None
-
-
-# how the tools mark an answer that ended on its own: llama-completion prints "[end of text]",
-# llama-lookup the end token's text ("<|im_end|>", "<end_of_turn>", "</s>")
-_END = re.compile(r"\s*(\[end of text\]|<[^<>\s]{1,32}>)$")
 
 
 def same_answer(a: str, b: str) -> bool:

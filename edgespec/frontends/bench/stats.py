@@ -64,7 +64,7 @@ def summarize(records: list[dict], methods: list[str], cost, n_past: int, limit:
                 # drafting time per drafted token against one plain target step (heads must be cheap)
                 "draft_ms_per_token": _r(1e3 * st.t_draft / st.n_drafted if st.n_drafted else None),
                 "plain_step_ms": _r(_plain_step_ms([base[k] for k in {(r["id"], r["repeat"]) for r in sel} if k in base])),
-                # llama.cpp's outputs are not compared (None): its text is printed, not its tokens
+                # llama.cpp's tools: their printed answer against our `none` text (run.py); None: not checked
                 "all_match": None if all(r.get("match") is None for r in sel) else all(r.get("match", True) for r in sel),
             })
     out = {"summary": rows, "cost_ms": cost.to_dict(),
