@@ -75,7 +75,7 @@ def _draft(engine, opt):
         raise EdgespecError("--spec draft needs a draft model: pass -md MODEL")
     c = engine.cfg
     return DraftModelDrafter(engine.draft_model, engine.draft_kv, c.draft_n_max, c.draft_n_min, c.draft_p_min,
-                             opt.seed, t_token=engine.draft_cost.t(1))
+                             opt.seed, t_token=engine.draft_cost.t(1), is_stop=engine.target.is_eog)
 
 
 def _native_mtp(engine) -> bool:
@@ -117,14 +117,14 @@ def _auto(engine, opt):
 def _medusa(engine, opt):
     from .drafters.heads import MedusaDrafter
 
-    return MedusaDrafter(engine.load_heads("medusa"))
+    return MedusaDrafter(engine.load_heads("medusa"), is_stop=engine.target.is_eog)
 
 
 def _eagle(engine, opt):
     from .drafters.heads import EagleDrafter
 
     head = engine.load_heads("eagle")
-    return EagleDrafter(head, depth=max(1, min(engine.cfg.draft_n_max, 8)))
+    return EagleDrafter(head, depth=max(1, min(engine.cfg.draft_n_max, 8)), is_stop=engine.target.is_eog)
 
 
 def _mtp(engine, opt):
@@ -134,7 +134,7 @@ def _mtp(engine, opt):
     from .drafters.heads import EagleDrafter
 
     return EagleDrafter(engine.load_heads("mtp"), depth=max(1, min(engine.cfg.draft_n_max, 1 + engine.cfg.draft_n_min // 4)),
-                        name="mtp")
+                        name="mtp", is_stop=engine.target.is_eog)
 
 
 def _eagle3(engine, opt):

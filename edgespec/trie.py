@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import heapq
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -33,8 +32,7 @@ class TrieNode:
         return self.fp + self.fo
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     token: int
     parent: int  # index into the candidate list, -1 for the match point
     depth: int
@@ -46,14 +44,14 @@ class Candidate:
 class Cursor:
     """Where one request's insertion stands: several requests can feed one trie at once."""
 
-    __slots__ = ("done", "partial", "nodes", "epoch")
+    __slots__ = ("n", "tails", "epoch")
 
     def __init__(self) -> None:
-        self.done = 0  # every window starting before this is complete
-        self.partial: dict[int, int] = {}  # start -> length inserted so far (tail windows)
-        # start -> the node where that tail window ends, so growing it by a token is one step
+        self.n = 0  # tokens inserted so far
+        # the node where each window still shorter than the trie's window ends, oldest start
+        # first (starts n - len(tails) .. n - 1), so growing them all by a token is one step each
         # (valid while the trie's epoch is `epoch`: pruning may detach nodes)
-        self.nodes: dict[int, TrieNode] = {}
+        self.tails: list[TrieNode] = []
         self.epoch = -1
 
 
@@ -71,54 +69,66 @@ class TokenTrie:
     # -- insertion ------------------------------------------------------------------------
 
     def extend(self, tokens: list[int], source: int, cursor: Cursor | None = None) -> None:
-        """Insert the windows of `tokens` not inserted yet (call as the sequence grows)."""
+        """Insert the windows of `tokens` not inserted yet (call as the sequence grows): every
+        new token extends each unfinished window by one node and starts a window of its own."""
         cur = cursor or self._cursor
+        tails = cur.tails
         if cur.epoch != self._epoch:
-            cur.nodes.clear()
+            # nodes may have been removed since: find (or recreate, uncounted) the tail windows'
+            # ends from the root
+            first = cur.n - len(tails)
+            tails[:] = [self._walk_create(tokens, i, cur.n) for i in range(first, cur.n)]
             cur.epoch = self._epoch
-        n, w = len(tokens), self.window
-        i = cur.done
-        while i < n:
-            length = min(w, n - i)
-            have = cur.partial.get(i, 0)
-            node = None
-            if length > have:
-                node = self._insert(tokens, i, length, have, source, cur.nodes.get(i) if have else None)
-            if length == w:
-                cur.partial.pop(i, None)
-                cur.nodes.pop(i, None)
-                if i == cur.done:
-                    cur.done = i + 1
-            else:
-                cur.partial[i] = length
-                if node is not None:
-                    cur.nodes[i] = node
-            i += 1
+        w, root, prompt = self.window, self.root, source == PROMPT
+        added = 0
+        for p in range(cur.n, len(tokens)):
+            t = tokens[p]
+            tails.append(root)
+            for j, node in enumerate(tails):
+                child = node.children.get(t)
+                if child is None:
+                    child = node.children[t] = TrieNode()
+                    added += 1
+                if prompt:
+                    child.fp += 1
+                else:
+                    child.fo += 1
+                tails[j] = child
+            if len(tails) >= w:  # the oldest window is complete
+                del tails[0]
+        cur.n = max(cur.n, len(tokens))
+        self.n_nodes += added
         if self.n_nodes > self.capacity:
             self.prune(int(self.capacity * 0.8))
 
-    def _insert(self, tokens: list[int], start: int, length: int, skip: int, source: int,
-                at: TrieNode | None = None) -> TrieNode:
-        """Count tokens[start + skip : start + length] below the path of the first `skip` (whose
-        end node is `at`, when known); return the node where the window ends."""
-        node, first = (at, skip) if at is not None else (self.root, 0)
-        for d in range(first, length):
-            t = tokens[start + d]
+    def _walk_create(self, tokens: list[int], start: int, end: int) -> TrieNode:
+        node = self.root
+        for t in tokens[start:end]:
             child = node.children.get(t)
             if child is None:
                 child = node.children[t] = TrieNode()
                 self.n_nodes += 1
-            if d >= skip:  # the first `skip` nodes were counted when this window was shorter
-                if source == PROMPT:
-                    child.fp += 1
-                else:
-                    child.fo += 1
+            node = child
+        return node
+
+    def _insert(self, tokens: list[int], start: int, length: int, source: int) -> TrieNode:
+        """Count tokens[start : start + length] as one branch; return the node where it ends."""
+        node = self.root
+        for t in tokens[start:start + length]:
+            child = node.children.get(t)
+            if child is None:
+                child = node.children[t] = TrieNode()
+                self.n_nodes += 1
+            if source == PROMPT:
+                child.fp += 1
+            else:
+                child.fo += 1
             node = child
         return node
 
     def insert(self, seq: list[int], source: int = OUTPUT) -> None:
         """Insert one branch (counts every node on its path once)."""
-        self._insert(seq, 0, min(len(seq), self.window), 0, source)
+        self._insert(seq, 0, min(len(seq), self.window), source)
 
     # -- retrieval ------------------------------------------------------------------------
 
@@ -157,6 +167,8 @@ class TokenTrie:
         """
         out: list[Candidate] = []
         heap: list[tuple[float, int, TrieNode, int, int, float, float, int]] = []
+        heappush, alpha, max_children = heapq.heappush, self.alpha, self.max_children
+        factors: dict[int, float] = {}
         tick = 0
 
         def push(parent_node: TrieNode, parent_idx: int, depth: int, parent_path: float) -> None:
@@ -164,29 +176,33 @@ class TokenTrie:
             kids = parent_node.children
             if not kids:
                 return
-            total = sum(c.count for c in kids.values()) + self.alpha
-            f = calib(depth) if calib else 1.0
-            # only the likeliest few children can make it into a small tree
-            best = heapq.nlargest(self.max_children, kids.items(), key=lambda kv: kv[1].count) if len(kids) > self.max_children else kids.items()
-            for tok, child in best:
-                raw = child.count / total
-                cond = min(1.0, f * raw)
+            counts = [(c.fp + c.fo, tok, c) for tok, c in kids.items()]
+            total = sum(x[0] for x in counts) + alpha
+            f = factors.get(depth)
+            if f is None:
+                f = factors[depth] = calib(depth) if calib else 1.0
+            if len(counts) > max_children:  # only the likeliest few can make it into a small tree
+                counts = heapq.nlargest(max_children, counts, key=lambda x: x[0])
+            for count, tok, child in counts:
+                raw = count / total
+                cond = f * raw
+                if cond > 1.0:
+                    cond = 1.0
                 path = parent_path * cond
                 if path >= min_path:
-                    heapq.heappush(heap, (-path, tick, child, parent_idx, depth, raw, cond, tok))
+                    heappush(heap, (-path, tick, child, parent_idx, depth, raw, cond, tok))
                     tick += 1
 
         push(node, -1, 1, 1.0)
         n_children = [0]  # for the match point (-1) and then per candidate, shifted by one
         leaves = 0
+        heappop = heapq.heappop
         while heap and len(out) < max_nodes:
-            negp, _, child, parent_idx, depth, raw, cond, tok = heapq.heappop(heap)
-            siblings = n_children[parent_idx + 1]
+            negp, _, child, parent_idx, depth, raw, cond, tok = heappop(heap)
             # a new child of a node that already has one opens a new branch
-            new_leaf = siblings > 0 or parent_idx == -1
-            if new_leaf and leaves >= max_branches:
-                continue
-            if new_leaf:
+            if parent_idx == -1 or n_children[parent_idx + 1] > 0:
+                if leaves >= max_branches:
+                    continue
                 leaves += 1
             n_children[parent_idx + 1] += 1
             out.append(Candidate(tok, parent_idx, depth, raw, cond, -negp))

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import GREEDY, PROMPTS, Spy
 from edgespec.costmodel import flat
-from edgespec.drafters.heads import EagleDrafter, MedusaDrafter, select
+from edgespec.drafters.heads import EagleDrafter, MedusaDrafter, _best_first, select
 from edgespec.drafters.base import Budget
 from edgespec.engine import Engine, EngineConfig
 from edgespec.gguf_check import GGUFInfo
@@ -227,3 +227,14 @@ def test_shipped_heads_are_found_and_accepted(smol, kind):
         assert gen.stats.n_accept / gen.stats.n_steps > 0.4, f"{kind}: {gen.stats.summary()}"
     finally:
         smol.cfg = saved
+
+
+def test_medusa_tree_ends_a_branch_at_the_end_of_generation():
+    """Medusa's children do not depend on the node; an end-of-generation node still gets none."""
+    choices = [[(7, 0.9), (2, 0.5)], [(3, 0.9), (5, 0.4)], [(4, 0.9)]]
+    nodes = _best_first(choices, 20)
+    assert any(nodes[par][2] == 7 for _, par, _, _ in nodes if par >= 0)
+    stopped = _best_first(choices, 20, is_stop=lambda tok: tok == 7)
+    assert [n for n in stopped if n[1] < 0] == [n for n in nodes if n[1] < 0]  # both roots stay
+    assert not any(stopped[par][2] == 7 for _, par, _, _ in stopped if par >= 0)
+    assert any(stopped[par][2] == 2 for _, par, _, _ in stopped if par >= 0)

@@ -58,6 +58,20 @@ def test_draft_model_equals_plain(smol_pair):
     assert accepted > 0 and steps_spec < steps_plain
 
 
+def test_draft_model_drafts_end_at_the_end_of_generation(smol_pair):
+    """A one-sentence answer: the draft model drafts the end token (drafting cheap, as on a GPU),
+    and no draft goes on past it; the output is plain decoding's."""
+    eng = smol_pair
+    eog = eng.target.is_eog
+    toks = eng.prompt_tokens(PROMPTS[2])
+    spy = Spy(eng.make_drafter("draft"))
+    g = generate(eng, toks, N, drafter=spy, gpu_like=True)
+    assert g.tokens == generate(eng, toks, N).tokens
+    assert any(eog(t) for draft, _ in spy.log for t in draft.tokens), "no draft reached the end token"
+    for draft, _ in spy.log:
+        assert not any(par >= 0 and eog(draft.tokens[par]) for par in draft.parents)
+
+
 def test_draft_model_forced_drafts_equal_plain():
     """--draft-min forces a draft every step: rollback of both caches on every rejection."""
     eng = Engine(EngineConfig(model="smollm2-135m-instruct:q8_0", draft="smollm2-135m-instruct:q4_0",

@@ -1,7 +1,7 @@
 """The Lookahead trie on hand-written token lists."""
 
 from edgespec.drafters.lookahead import _as_tree
-from edgespec.trie import OUTPUT, PROMPT, TokenTrie
+from edgespec.trie import OUTPUT, PROMPT, Cursor, TokenTrie, TrieNode
 
 
 def branches(trie, node):
@@ -17,6 +17,51 @@ def test_insertion_counts_every_window_once():
     t.extend([1, 2, 3, 1, 2, 4, 5], OUTPUT)
     assert t.walk([2, 4, 5]).fo == 1 and t.walk([2, 4]).count == 1
     assert t.walk([4]).count == 1 and t.walk([5]).fo == 1
+
+
+def _dump(trie):
+    out, stack = {}, [((), trie.root)]
+    while stack:
+        path, node = stack.pop()
+        for tok, child in node.children.items():
+            out[path + (tok,)] = (child.fp, child.fo)
+            stack.append((path + (tok,), child))
+    return out
+
+
+def test_growing_token_by_token_counts_as_inserting_every_window():
+    import random
+
+    rng = random.Random(7)
+    seq = [rng.randrange(6) for _ in range(200)]
+    grown, cursor = TokenTrie(window=5), Cursor()
+    grown.extend(seq[:40], PROMPT, cursor)
+    for n in range(41, len(seq) + 1, rng.choice([1, 1, 2, 3])):
+        grown.extend(seq[:n], OUTPUT, cursor)
+    grown.extend(seq, OUTPUT, cursor)
+    brute = TokenTrie(window=5)
+    for i in range(len(seq)):
+        # a window's tokens count as prompt up to the prompt's end, as output after it
+        for d in range(min(5, len(seq) - i)):
+            node = brute.walk(seq[i:i + d]) if d else brute.root
+            child = node.children.setdefault(seq[i + d], TrieNode())
+            if i + d < 40:
+                child.fp += 1
+            else:
+                child.fo += 1
+    assert _dump(grown) == _dump(brute)
+    assert grown.n_nodes == len(_dump(brute))
+
+
+def test_insertion_resumes_after_nodes_were_pruned():
+    t, cursor = TokenTrie(window=4), Cursor()
+    t.extend([1, 2, 3, 4, 5, 6], PROMPT, cursor)
+    t.release_prompt()  # every node goes, the cursor's tail windows with them
+    assert t.n_nodes == 0
+    t.extend([1, 2, 3, 4, 5, 6, 7], OUTPUT, cursor)
+    # the tail windows were found again from the root; only the new token is counted on them
+    assert t.walk([4, 5, 6, 7]).fo == 1 and t.walk([4, 5, 6]).fo == 0 and t.walk([7]).fo == 1
+    assert t.n_nodes == len(_dump(t))
 
 
 def test_match_longest_suffix_with_continuation():

@@ -41,8 +41,11 @@ class DraftModelDrafter(TokenTimed):
     needs_target_hidden = False
 
     def __init__(self, model: Model, kv: KVSeq, n_max: int = 16, n_min: int = 0, p_min: float = 0.0,
-                 seed: int | None = None, t_token: float = 0.0):
+                 seed: int | None = None, t_token: float = 0.0, is_stop=None):
+        """`is_stop(token)`: the token ends a generation; a draft ends with it (nothing after it
+        could be kept)."""
         self.model = model
+        self.is_stop = is_stop
         self.kv = kv
         self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
         self.calib = Calibration(prior=1.0)
@@ -109,6 +112,8 @@ class DraftModelDrafter(TokenTimed):
                 probs.append(q)
             est.append(min(1.0, top))
             path.append(nxt_path)
+            if self.is_stop is not None and self.is_stop(x):
+                break  # a stop after a drafted token, never a filter on it: sampling stays exact
             if len(tokens) < limit:
                 t0 = time.perf_counter()
                 row = self.kv.extend([x])

@@ -283,8 +283,11 @@ class Eagle3Drafter(TokenTimed):
     needs_prompt_hidden = True
 
     def __init__(self, rt: Eagle3Runtime, n_max: int = 16, n_min: int = 0, p_min: float = 0.0,
-                 tree: bool = False, top_k: int = 4, beam: int = 4, p_stop: float = 0.02):
+                 tree: bool = False, top_k: int = 4, beam: int = 4, p_stop: float = 0.02, is_stop=None):
+        """`is_stop(token)`: the token ends a generation: a chain ends with it, a tree node with
+        it is a leaf (nothing after it could be kept)."""
         self.rt = rt
+        self.is_stop = is_stop
         self.hidden_taps = rt.taps
         self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
         self.tree = tree and rt.n_seq_max >= 1 + 2 * beam
@@ -376,6 +379,8 @@ class Eagle3Drafter(TokenTimed):
             tokens.append(x)
             est.append(top)
             path.append(nxt)
+            if self.is_stop is not None and self.is_stop(x):
+                break  # nothing after an end of generation could be kept
             if len(tokens) < limit:
                 t0 = time.perf_counter()
                 if not rt.decode([(0, pos + len(tokens) - 1, x, rt.prenorm_addr(row))]):
@@ -406,7 +411,10 @@ class Eagle3Drafter(TokenTimed):
         cur: list[int] = []  # sequence ids of the last expanded depth (at most `beam`)
         free = list(range(1, 1 + 2 * self.beam))
         depth = 1
+        stop = self.is_stop
         while depth < limit:
+            if stop is not None:
+                frontier = [i for i in frontier if not stop(nodes[i][2])]
             frontier = sorted(frontier, key=lambda i: -nodes[i][0])[: self.beam]
             if not frontier:
                 break
@@ -476,7 +484,8 @@ def build(engine, heads_path: str | Path, tree: bool | None = None) -> Eagle3Dra
         engine._eagle3 = rt
     if tree is None:
         tree = c.max_branches > 1
-    return Eagle3Drafter(rt, n_max=max(1, c.draft_n_max), n_min=c.draft_n_min, p_min=c.draft_p_min, tree=tree)
+    return Eagle3Drafter(rt, n_max=max(1, c.draft_n_max), n_min=c.draft_n_min, p_min=c.draft_p_min, tree=tree,
+                         is_stop=engine.target.is_eog)
 
 
 def release(engine) -> None:

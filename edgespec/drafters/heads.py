@@ -78,8 +78,9 @@ class _HeadsDrafter:
     needs_target_hidden = True
     needs_prompt_hidden = False
 
-    def __init__(self, top_k: int):
+    def __init__(self, top_k: int, is_stop=None):
         self.top_k = top_k
+        self.is_stop = is_stop  # is_stop(token): the token ends a generation (a leaf of the tree)
         self.calib = Calibration(prior=0.6)
         self.t_draft = 0.0  # seconds spent drafting in this generation
         self.n_draft = 0  # draft steps
@@ -100,8 +101,8 @@ class _HeadsDrafter:
 class MedusaDrafter(_HeadsDrafter):
     name = "medusa"
 
-    def __init__(self, heads: MedusaHeads, top_k: int = 4, max_nodes: int = 64):
-        super().__init__(top_k)
+    def __init__(self, heads: MedusaHeads, top_k: int = 4, max_nodes: int = 64, is_stop=None):
+        super().__init__(top_k, is_stop)
         self.heads = heads
         self.max_nodes = max_nodes
         self._last: np.ndarray | None = None
@@ -118,16 +119,17 @@ class MedusaDrafter(_HeadsDrafter):
         for d in range(len(probs)):
             top = _top(probs[d], self.top_k)
             choices.append([(int(self.heads.vocab[d].ids[j]), self._cond(float(probs[d][j]))) for j in top])
-        nodes = _best_first(choices, min(self.max_nodes, budget.max_nodes * 2))
+        nodes = _best_first(choices, min(self.max_nodes, budget.max_nodes * 2), self.is_stop)
         draft = select(nodes, budget, self.name)
         self.t_draft += time.perf_counter() - t0
         self.n_draft += 1
         return draft
 
 
-def _best_first(choices: list[list[tuple[int, float]]], limit: int) -> list[tuple[float, int, int, float]]:
+def _best_first(choices: list[list[tuple[int, float]]], limit: int, is_stop=None) -> list[tuple[float, int, int, float]]:
     """Paths through per-depth choice lists in decreasing product order (each node's parent comes
-    first): the sparse tree of Medusa, built from the heads' own probabilities."""
+    first): the sparse tree of Medusa, built from the heads' own probabilities. A node whose
+    token `is_stop` (an end of generation) gets no children."""
     out: list[tuple[float, int, int, float]] = []
     heap = [(-choices[0][0][1], (0,), -1)]  # (-path prob, choice indices, parent node index)
     while heap and len(out) < limit:
@@ -140,7 +142,7 @@ def _best_first(choices: list[list[tuple[int, float]]], limit: int) -> list[tupl
             sib = choices[d][j + 1][1]
             parent_p = -negp / cond if cond > 0 else 0.0
             heapq.heappush(heap, (-parent_p * sib, path[:-1] + (j + 1,), parent))
-        if d + 1 < len(choices):  # the best child
+        if d + 1 < len(choices) and not (is_stop is not None and is_stop(tok)):  # the best child
             heapq.heappush(heap, (negp * choices[d + 1][0][1], path + (0,), me))
     return out
 
@@ -150,8 +152,8 @@ class EagleDrafter(_HeadsDrafter):
     needs_prompt_hidden = True
 
     def __init__(self, head: EagleHead, top_k: int = 4, beam: int = 4, depth: int = 6, p_stop: float = 0.02,
-                 name: str = "eagle"):
-        super().__init__(top_k)
+                 name: str = "eagle", is_stop=None):
+        super().__init__(top_k, is_stop)
         self.name = name  # "mtp": the same loop over an MTP module (depth 1: the token after next)
         self.head = head
         self.beam, self.depth, self.p_stop = beam, depth, p_stop
@@ -203,7 +205,10 @@ class EagleDrafter(_HeadsDrafter):
             anc.append([])
         frontier = list(range(len(nodes)))
         need = max(budget.n_min, 1)
+        stop = self.is_stop
         for depth in range(1, self.depth):
+            if stop is not None:  # an end of generation is a leaf: nothing after it could be kept
+                frontier = [i for i in frontier if not stop(nodes[i][2])]
             frontier = sorted(frontier, key=lambda i: -nodes[i][0])[: self.beam]
             if not frontier or (nodes[frontier[0]][0] < self.p_stop and len(nodes) >= need):
                 break

@@ -73,9 +73,13 @@ class LookaheadDrafter:
                                      is_stop=self.is_stop)
         size = budget.size([c.path for c in cands])
         if size == 0:
-            # Not paying now; probe with the best token now and then so estimates can recover.
+            # Not paying now. Probe with the best token now and then, so that a match length whose
+            # factor fell below its prior can recover; only where the prior itself expects the
+            # token more often than not (a failed one-token draft costs most of a step here).
             self._skipped += 1
-            if self._skipped < 16 or not cands or cands[0].raw < 0.5:
+            prior = PRIORS.get(s, PRIOR_LONG)
+            if (self._skipped < 16 or not cands or cal.factor(1) >= prior
+                    or min(1.0, prior * cands[0].raw) < 0.5):
                 return Draft()
             size = 1
         self._skipped = 0

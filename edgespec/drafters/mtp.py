@@ -140,10 +140,12 @@ class MtpDrafter(TokenTimed):
     needs_prompt_hidden = True
     reads_target_rows = True
 
-    def __init__(self, mtp: MtpContext, n_max: int = 1, p_min: float = 0.0):
+    def __init__(self, mtp: MtpContext, n_max: int = 1, p_min: float = 0.0, is_stop=None):
         """`n_max`: draft tokens per step at most (1: the MTP's trained depth; more chain its
-        own output state). `p_min`: stop a chain at a token whose probability is below it."""
+        own output state). `p_min`: stop a chain at a token whose probability is below it.
+        `is_stop(token)`: the token ends a generation, so a chain ends with it."""
         self.m = mtp
+        self.is_stop = is_stop
         self.n_max, self.p_min = max(1, n_max), p_min
         # depth 1 reads the target's h, deeper tokens the MTP's own: two regimes, two factors
         self.calib = Calibration(prior=1.0, depth=2)
@@ -262,6 +264,8 @@ class MtpDrafter(TokenTimed):
             tokens.append(x)
             est.append(min(1.0, top))
             path.append(nxt_path)
+            if self.is_stop is not None and self.is_stop(x):
+                break  # nothing after an end of generation could be kept
             if len(tokens) < limit:
                 t1 = time.perf_counter()
                 m.decode([(x, n_seed + len(tokens), m.h_out(row))], out_last=True)
@@ -296,7 +300,7 @@ def build(engine: "Engine", n_max: int = 1) -> MtpDrafter:
         m = MtpContext(engine)
         engine._mtp = m
     c = engine.cfg
-    return MtpDrafter(m, n_max=max(1, n_max, c.draft_n_min), p_min=c.draft_p_min)
+    return MtpDrafter(m, n_max=max(1, n_max, c.draft_n_min), p_min=c.draft_p_min, is_stop=engine.target.is_eog)
 
 
 def release(engine: "Engine") -> None:

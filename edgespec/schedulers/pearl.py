@@ -63,9 +63,10 @@ class _DraftJob:
 class DraftWorker(threading.Thread):
     """Owns the draft model's context; drafts one job at a time, token by token."""
 
-    def __init__(self, kv: KVSeq, sampling: SamplingConfig, seed: int | None):
+    def __init__(self, kv: KVSeq, sampling: SamplingConfig, seed: int | None, is_stop=None):
         super().__init__(daemon=True, name="edgespec-draft")
         self.kv = kv
+        self.is_stop = is_stop  # a job ends with an end-of-generation token: nothing after it is kept
         self.sampling = sampling
         # Draft draws are keyed by (key, job, offset) so that a seeded run is reproducible
         # whatever the threads' timing. Without a seed the key is fresh entropy: a fixed key
@@ -152,6 +153,8 @@ class DraftWorker(threading.Thread):
                     if q is not None:
                         job.probs.append(q)
                     job.cond.notify_all()
+                if self.is_stop is not None and self.is_stop(x):
+                    return
                 if i + 1 < job.n and self.kv.room() > 1:
                     row = self.kv.extend([x])
                 elif i + 1 < job.n:
@@ -176,7 +179,7 @@ class PearlGeneration(Lifecycle):
         kv = eng.kv
         gamma = max(1, min(self.gamma, eng.max_verify_rows - 1))
         first, rng = self._prologue(kv)
-        worker = DraftWorker(eng.draft_kv, cfg, cfg.seed)
+        worker = DraftWorker(eng.draft_kv, cfg, cfg.seed, eng.target.is_eog)
         worker.start()
         pending: list[int] = [first]  # committed, not in the target's cache
         carry = None  # the target's verdict for the next position, known but not yet used
