@@ -50,6 +50,12 @@ def test_report_fields(tmp_path, suite_file, capsys):
     assert (c["draft_len"] == 0) == (c["speedup"] == 1.0) and c["n_past"] > 0
     assert rows[("lookahead", "quote")]["acceptance_rate"] is not None
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+    tc = rep["text_ceiling"]
+    assert set(tc["speedup"]) == {"quote", "chat", "all"} and tc["speedup"]["quote"] >= 1.0
+    assert set(tc["reached"]) == {"ngram", "lookahead"}
+    assert tc["reached"]["lookahead"]["all"] == pytest.approx(
+        rows[("lookahead", "all")]["speedup"] / tc["speedup"]["all"], abs=2e-3)
+    assert "Text ceiling" in table and "lookahead reached" in table
 
 
 def test_mismatch_is_flagged(suite_file, monkeypatch, capsys):
@@ -146,3 +152,31 @@ def test_oracle_ceiling_on_known_cost_curves():
     # the probe's limit caps the draft
     top, k = bench.ceiling(flat(0.01, max_exact_rows=4), 0)
     assert k == 3 and top == pytest.approx(4.0)
+
+
+def test_text_ceiling_counts_only_what_the_text_holds():
+    from edgespec.costmodel import KS, CostModel, flat
+
+    cost = flat(0.01)  # verifying k rows costs one: a right draft of any length is free
+    prompt = list(range(100, 140))
+    # an output that copies the prompt: after the first token every later one is draftable
+    plain, best = bench.text_ceiling(cost, prompt, prompt[:30])
+    # 29 tokens after the first: a 23-token draft (the rest of a 24-token branch) and its bonus
+    # token, then the last 5 in one more step
+    assert plain == pytest.approx(29 * 0.01) and best == pytest.approx(0.02)
+    # an output found nowhere before it: nothing to draft, the ceiling is plain decoding
+    plain, best = bench.text_ceiling(cost, prompt, list(range(500, 530)))
+    assert best == pytest.approx(plain)
+    # a copy of 10 tokens inside new text: one step for the copy on a flat curve
+    out = list(range(500, 510)) + prompt[5:15] + list(range(600, 610))
+    plain, best = bench.text_ceiling(cost, prompt, out)
+    assert plain == pytest.approx(29 * 0.01)
+    # position 10 (prompt[5]) follows 509, new: plain; then prompt[6..14] (9 tokens) in one draft
+    assert best == pytest.approx((29 - 9) * 0.01)
+    # where k rows cost k steps nothing pays, even on a copy
+    linear = CostModel(KS, tuple(0.01 * k for k in KS), online=False)
+    plain, best = bench.text_ceiling(linear, prompt, prompt[:30])
+    assert best == pytest.approx(plain)
+    # at most `limit` rows per verification
+    plain, best = bench.text_ceiling(cost, prompt, prompt[:30], limit=4)
+    assert best == pytest.approx(8 * 0.01)  # 3 drafted and the bonus token per step: 29 in 8 steps

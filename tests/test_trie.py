@@ -157,3 +157,28 @@ def test_save_load_round_trip(tmp_path):
         return out
 
     assert dump(u.root) == dump(t.root)
+
+
+def test_lookahead_probes_only_a_match_length_that_may_recover():
+    """Where no draft pays (here verifying k rows costs k plain steps), lookahead drafts nothing,
+    and probes with one token after 16 such steps only for a match length whose learned factor
+    fell below its prior and whose prior expects the token: never after a one-token match."""
+    from conftest import GREEDY
+    from edgespec.costmodel import KS, CostModel
+    from edgespec.drafters.base import Budget, Calibration
+    from edgespec.drafters.lookahead import LookaheadDrafter
+
+    steep = CostModel(KS, tuple(0.01 * k for k in KS), online=False)
+    budget = Budget(max_nodes=8, max_branches=1, fixed_rows=1, cost=steep, sampling=GREEDY)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+    def drafts(context, calib=None):
+        d = LookaheadDrafter(window=8, calib=calib)
+        d.begin(prompt)
+        return [len(d.propose(context, budget)) for _ in range(40)]
+
+    assert drafts(prompt + [40, 5]) == [0] * 40  # one matched token: the prior expects 20%
+    assert drafts(prompt + [1, 2, 3, 4, 5]) == [0] * 40  # five, but nothing learned against them
+    depressed = {s: Calibration(prior=0.5) for s in range(1, 9)}
+    sizes = drafts(prompt + [1, 2, 3, 4, 5], depressed)
+    assert sizes[:15] == [0] * 15 and sizes[15] == 1 and sum(sizes) == 2  # every 16th step

@@ -33,6 +33,15 @@ def render_markdown(report: dict) -> str:
             f"{r['draft_ms_per_token']:.2f}" + ("" if r.get("plain_step_ms") is None else f" ({r['plain_step_ms']:.1f})"))
         lines.append(f"| {r['method']} | {r['category']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {sp} | {own} | {eff} | "
                      f"{acc} | {mal} | {pos} | {share} | {dms} | {ok} |")
+    tc = report.get("text_ceiling")
+    if tc and tc["speedup"]:
+        cats = [c for c in tc["speedup"] if c != "all"]
+        per = ", ".join(f"{c} {tc['speedup'][c]:.2f}x" for c in cats)
+        lines += ["", f"Text ceiling (every draft the prompt and the output so far held, right ones chosen in "
+                      f"hindsight and sized best on this cost curve): {tc['speedup'].get('all', 0):.2f}x over all ({per})."]
+        for m, got in tc["reached"].items():
+            per = ", ".join(f"{c} {100 * got[c]:.0f}%" for c in cats if c in got)
+            lines.append(f"{m} reached {100 * got.get('all', 0):.0f}% of it ({per}).")
     lx = report.get("llama_cpp_lookup_exact")
     if lx:
         differ = f" (another answer on {', '.join(lx['differ'])})" if lx["differ"] else ""

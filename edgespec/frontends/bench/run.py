@@ -58,6 +58,7 @@ def run_bench(a, engine_cfg) -> int:
 
     records: list[dict] = []
     mismatches: list[tuple[str, str]] = []
+    texts: dict[str, tuple[str, list[int], list[int]]] = {}  # id -> (category, prompt, plain output)
     total = len(prompts) * len(methods) * a.repeat
     with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   TextColumn("{task.fields[info]}"), transient=True, console=stderr_console()) as prog:
@@ -82,6 +83,8 @@ def run_bench(a, engine_cfg) -> int:
                                  **g.stats.to_dict()})
                     prog.update(task, advance=1, info=f"{item['id']} {m} {g.stats.tokens_per_s:.0f} tok/s")
                 ref = outputs.get("none")
+                if ref is not None and item["id"] not in texts:
+                    texts[item["id"]] = (item["category"], toks, list(ref))
                 # llama.cpp's text: the same as ours when its answer is our plain answer (another
                 # KV cache type may change the answer: then its tokens/s is for another text)
                 ref_text = eng.target.detokenize(ref).strip() if ref is not None else None
@@ -99,7 +102,7 @@ def run_bench(a, engine_cfg) -> int:
 
     order = methods + sorted({r["method"] for r in records} - set(methods), reverse=True)
     n_past = int(sum(len(t) for _, t, _ in prompts) / len(prompts))
-    report = summarize(records, order, eng.cost, n_past, limit=eng.max_verify_rows)
+    report = summarize(records, order, eng.cost, n_past, limit=eng.max_verify_rows, texts=texts)
     report["exactness"] = eng.exactness_info()
     report["config"] = {
         "model": engine_cfg.model, "draft": engine_cfg.draft, "threads": eng.ctx.n_threads, "kv_type": engine_cfg.kv_type,

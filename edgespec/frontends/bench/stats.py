@@ -27,7 +27,54 @@ def ceiling(cost, n_past: int, max_rows: int = 32, limit: int | None = None) -> 
     return best, best_k
 
 
-def summarize(records: list[dict], methods: list[str], cost, n_past: int, limit: int | None = None) -> dict:
+def text_ceiling(cost, prompt: list[int], output: list[int], limit: int = 32, window: int = 24,
+                 max_match: int = 8) -> tuple[float, float]:
+    """What the text itself allowed a trie drafter, in hindsight: (seconds of plain decoding,
+    seconds of the best drafting) for `output` after `prompt` on the cost curve.
+
+    At each position the drafts available are the continuations, in a trie of the prompt's and
+    the output's n-grams so far (`window`-token branches, as lookahead keeps), of a suffix of up
+    to `max_match` tokens; the right ones are known afterwards. The best schedule (plain step or
+    a right draft of any length there, at most `limit` - 1 tokens) is found by dynamic
+    programming. The oracle ceiling assumes every token could be drafted; this one counts only
+    the copies the text holds, so speedup over it is how well drafts were chosen and sized."""
+    from ...trie import OUTPUT, PROMPT, Cursor, TokenTrie
+
+    n = len(output)
+    if n < 2:
+        return 0.0, 0.0
+    trie, cur = TokenTrie(window=window), Cursor()
+    trie.extend(prompt, PROMPT, cur)
+    ctx = list(prompt) + output[:1]  # the first token comes with the prompt's logits
+    plain, best = 0.0, [0.0] + [float("inf")] * n  # best[j]: seconds to commit output[:j+1]
+    for i in range(1, n):
+        trie.extend(ctx, OUTPUT, cur)
+        right = 0  # the longest right draft any matched suffix offers here
+        for s in range(1, min(max_match, len(ctx)) + 1):
+            node = trie.walk(ctx[-s:])
+            if node is None:
+                break
+            k = 0
+            while i + k < n and k < limit - 1:
+                node = node.children.get(output[i + k])
+                if node is None:
+                    break
+                k += 1
+            right = max(right, k)
+        n_past = len(ctx)
+        one = cost.t(1, n_past)
+        plain += one
+        here = best[i - 1]
+        best[i] = min(best[i], here + one)
+        for k in range(1, right + 1):
+            j = min(n - 1, i + k)
+            best[j] = min(best[j], here + cost.t(1 + k, n_past))
+        ctx.append(output[i])
+    return plain, best[n - 1]
+
+
+def summarize(records: list[dict], methods: list[str], cost, n_past: int, limit: int | None = None,
+              texts: dict[str, tuple[str, list[int], list[int]]] | None = None) -> dict:
     base = {(r["id"], r["repeat"]): r for r in records if r["method"] == "none"}
     llama_base = {(r["id"], r["repeat"]): r for r in records if r["method"] == "llama.cpp:completion"}
     cats = sorted({r["category"] for r in records})
@@ -69,6 +116,8 @@ def summarize(records: list[dict], methods: list[str], cost, n_past: int, limit:
             })
     out = {"summary": rows, "cost_ms": cost.to_dict(),
            "ceiling": {"speedup": round(top, 3), "draft_len": top_k, "n_past": n_past}}
+    if texts:
+        out["text_ceiling"] = _text_ceilings(rows, texts, cost, limit or cost.max_exact_rows)
     checked = [r for r in records if r.get("same_as_own_plain") is not None]
     if checked:
         # llama-lookup against llama-completion, both llama.cpp's: is its drafting lossless?
@@ -76,6 +125,24 @@ def summarize(records: list[dict], methods: list[str], cost, n_past: int, limit:
             "same": sum(bool(r["same_as_own_plain"]) for r in checked), "runs": len(checked),
             "differ": sorted({r["id"] for r in checked if not r["same_as_own_plain"]})}
     return out
+
+
+def _text_ceilings(rows: list[dict], texts: dict, cost, limit: int) -> dict:
+    """Per category (and all): the text ceiling, a geometric mean over prompts as speedups are,
+    and each drafting method's speedup as a share of it."""
+    per: dict[str, list[float]] = {}
+    for category, prompt, output in texts.values():
+        plain, best = text_ceiling(cost, prompt, output, min(32, limit))
+        if plain > 0 and best > 0:
+            per.setdefault(category, []).append(plain / best)
+            per.setdefault("all", []).append(plain / best)
+    top = {c: round(geomean(v), 3) for c, v in per.items()}
+    reached: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if r["method"] in ("none", "llama.cpp:completion") or r["speedup"] is None or not top.get(r["category"]):
+            continue
+        reached.setdefault(r["method"], {})[r["category"]] = round(r["speedup"] / top[r["category"]], 3)
+    return {"speedup": top, "reached": reached}
 
 
 def _plain_step_ms(records: list[dict]) -> float | None:
