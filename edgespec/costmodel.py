@@ -275,16 +275,17 @@ def probe_exact_rows(ctx: Context, kv, seed: int = 1234) -> int:
 
 
 def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layers: int = 0,
-                    quiet: bool = True, tag: str = "") -> CostModel:
+                    quiet: bool = True, tag: str = "", force: bool = False) -> CostModel:
     """The cost curve for this model and setup (`tag`: what else sets it apart, e.g. the RPC
-    servers), measured once and cached in `cache_file`."""
+    servers), measured once and cached in `cache_file`; `force`: measured again, replacing the
+    cached one (`edgespec doctor --remeasure`)."""
     key = _key(ctx, n_gpu_layers, tag)
     data: dict = {}
     try:
         with open(cache_file) as f:
             data = json.load(f)
         rec = data.get(key)
-        if rec and rec.get("probe") == PROBE_VERSION:
+        if rec and rec.get("probe") == PROBE_VERSION and not force:
             return CostModel.from_dict(rec)
     except (OSError, ValueError, KeyError, TypeError):
         data = {}

@@ -86,6 +86,18 @@ class Engine:
                         "speculation then verifies one row at a time; a q8_0 K cache (the q8_0/f16 default) keeps "
                         "batches exact", cfg.kv_type)
 
+    def remeasure_cost(self, quiet: bool = True) -> None:
+        """Measure the cost of verifying k rows (and the exactness probe) again for the target and
+        the draft model, replacing the cached curves: after the machine's load or hardware changed."""
+        from .models import cache_root
+
+        cfg = self.cfg
+        if self.draft_model is not None:
+            self.draft_cost = load_or_measure(self.draft_ctx, self.draft_kv, cache_root() / "costs.json",
+                                              cfg.n_gpu_layers_draft, quiet, tag=",".join(cfg.rpc_draft), force=True)
+        self.cost = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet,
+                                    tag=",".join(cfg.rpc), force=True)
+
     def _devices(self) -> tuple[list[int] | None, list[int] | None]:
         """Devices for the target and the draft model: with --rpc the target offloads to those
         servers (and this machine's GPUs), the draft model only to this machine's GPUs unless

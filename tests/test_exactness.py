@@ -140,6 +140,25 @@ def test_doctor_reports_backend_curve_probe_and_policy():
     assert "auto drafts with lookahead" in r.stdout
 
 
+def test_doctor_remeasures_the_cost_curve_on_request():
+    from edgespec.models import cache_root
+
+    costs = cache_root() / "costs.json"
+    cmd = [sys.executable, "-m", "edgespec", "doctor", "-m", "smollm2-135m-instruct:q4_0", "-t", "2", "--json"]
+    assert subprocess.run(cmd, capture_output=True, timeout=300).returncode == 0  # measured once, cached
+    before = costs.stat().st_mtime_ns
+    assert subprocess.run(cmd, capture_output=True, timeout=300).returncode == 0
+    assert costs.stat().st_mtime_ns == before  # read from the cache
+    r = subprocess.run(cmd + ["--remeasure"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert costs.stat().st_mtime_ns != before  # measured again and written back
+    d = json.loads(r.stdout)
+    assert d["cost"]["k"][0] == 1 and d["exactness"]["max_exact_rows"] >= 2
+    key = next(k for k in json.loads(costs.read_text()) if "smollm2-135m-instruct.q4_0" in k and "|t2|" in k
+               and "kvq8_0/f16" in k)
+    assert json.loads(costs.read_text())[key]["ms"] == d["cost"]["ms"]
+
+
 def test_probe_finds_the_f16_split_path_and_keeps_q8_0_k_exact(smol):
     """llama.cpp's CPU attention takes a split-KV path for one row past 512 cells when K and V
     are both f16: the probe's long-context stage sees it. K and V of different types (the

@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "layers), the measured cost of verifying k tokens, the exactness probe and the "
                                     "policy in force, for a model and its flags.")
     dr.add_argument("--json", action="store_true", help="print one JSON object")
+    dr.add_argument("--remeasure", action="store_true",
+                    help="measure the cost of verifying k rows and the exactness probe again for this model and "
+                         "setup, replacing the cached ones (once the machine's load or hardware has changed)")
     _add_model_args(dr)
     dr.set_defaults(draft_n_max=16, draft_n_min=0, draft_p_min=0.0)
 

@@ -37,6 +37,8 @@ def run_doctor(a, cfg) -> int:
 
     engine = Engine(cfg, quiet=a.json)
     try:
+        if getattr(a, "remeasure", False):
+            engine.remeasure_cost(quiet=a.json)
         r = report(engine)
     finally:
         engine.close()
