@@ -83,10 +83,12 @@ def completions(make, seeded: bool) -> list[tuple]:
     return out
 
 
-def forced(eng, make_drafter):
+def forced(eng, make_drafter, prompt: list[int] | None = None):
     """Generations under a cost curve on which drafting pays (a GPU-like machine)."""
+    toks = eng.prompt_tokens(PROMPT, raw=True) if prompt is None else prompt
+
     def make(cfg):
-        return eng.generate(eng.prompt_tokens(PROMPT, raw=True), L, cfg, make_drafter(cfg))
+        return eng.generate(toks, L, cfg, make_drafter(cfg))
     return make
 
 
@@ -156,3 +158,26 @@ def test_gof_detects_a_biased_sampler():
     biased = [("a", "b", "c")[i] for i in rng.choice(3, 300, p=[0.65, 0.2, 0.15])]
     assert gof([(x,) for x in fair], expected) > ALPHA
     assert gof([(x,) for x in biased], expected) < 0.01
+
+
+# An answer that often ends within L tokens ("Yes" then end of generation): drafts reach the end
+# token and stop after it, which must leave the sampled output the target's.
+EOG_PROMPT = "Reply with the single word: yes"
+EOG_METHODS = {
+    "draft": lambda eng, toks: forced(eng, lambda cfg: eng.make_drafter("draft", cfg.seed), toks),
+    "lookahead": lambda eng, toks: forced(eng, lambda cfg: eng.make_drafter("lookahead"), toks),
+    "pearl": lambda eng, toks: lambda cfg: eng.start(toks, L, cfg, "pearl"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+@pytest.mark.parametrize("method", list(EOG_METHODS))
+def test_sampled_output_with_drafts_ending_at_the_end_token(gpu_like, method, seeded):
+    toks = gpu_like.prompt_tokens(EOG_PROMPT)
+    expected = exact_distribution(gpu_like, toks, SamplingConfig(**CFG))
+    assert sum(p for k, p in expected.items() if len(k) < L) > 0.1, "the test needs answers that end early"
+    samples = completions(EOG_METHODS[method](gpu_like, toks), seeded)
+    assert any(len(s) < L for s in samples)
+    p = gof(samples, expected)
+    assert p > ALPHA, f"{method} ({'seeded' if seeded else 'unseeded'}): chi-square p = {p:.3g} over {N} completions"
