@@ -101,34 +101,25 @@ class TokenTrie:
         if self.n_nodes > self.capacity:
             self.prune(int(self.capacity * 0.8))
 
-    def _walk_create(self, tokens: list[int], start: int, end: int) -> TrieNode:
+    def _walk_create(self, tokens: list[int], start: int, end: int, source: int | None = None) -> TrieNode:
+        """The node of the path tokens[start:end], created where missing; with `source`, every
+        node on it counted once as seen there."""
         node = self.root
         for t in tokens[start:end]:
             child = node.children.get(t)
             if child is None:
                 child = node.children[t] = TrieNode()
                 self.n_nodes += 1
-            node = child
-        return node
-
-    def _insert(self, tokens: list[int], start: int, length: int, source: int) -> TrieNode:
-        """Count tokens[start : start + length] as one branch; return the node where it ends."""
-        node = self.root
-        for t in tokens[start:start + length]:
-            child = node.children.get(t)
-            if child is None:
-                child = node.children[t] = TrieNode()
-                self.n_nodes += 1
             if source == PROMPT:
                 child.fp += 1
-            else:
+            elif source == OUTPUT:
                 child.fo += 1
             node = child
         return node
 
     def insert(self, seq: list[int], source: int = OUTPUT) -> None:
         """Insert one branch (counts every node on its path once)."""
-        self._insert(seq, 0, min(len(seq), self.window), source)
+        self._walk_create(seq, 0, min(len(seq), self.window), source)
 
     # -- retrieval ------------------------------------------------------------------------
 

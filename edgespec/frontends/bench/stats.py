@@ -46,7 +46,7 @@ def text_ceiling(cost, prompt: list[int], output: list[int], limit: int = 32, wi
     trie, cur = TokenTrie(window=window), Cursor()
     trie.extend(prompt, PROMPT, cur)
     ctx = list(prompt) + output[:1]  # the first token comes with the prompt's logits
-    plain, best = 0.0, [0.0] + [float("inf")] * n  # best[j]: seconds to commit output[:j+1]
+    plain, best = 0.0, [0.0] + [float("inf")] * (n - 1)  # best[j]: seconds to commit output[:j+1]
     for i in range(1, n):
         trie.extend(ctx, OUTPUT, cur)
         right = 0  # the longest right draft any matched suffix offers here
