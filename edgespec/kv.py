@@ -138,6 +138,10 @@ class KVSeq:
         base = len(self.tokens)
         if base + len(pending) + n_nodes > self.ctx.n_ctx:
             raise ContextFullError(f"context full ({self.ctx.n_ctx} tokens)")
+        if not n_nodes:  # a plain step (most steps where nothing is drafted)
+            n = len(pending)
+            self.ctx.decode(pending, list(range(base, base + n)), None, [False] * (n - 1) + [True])
+            return TreeLayout(n, base, [], 1)
         leaves = draft.leaves() if n_nodes else []
         n_br = max(1, len(leaves))
         if n_br > self.ctx.cfg.n_seq_max:
@@ -180,7 +184,8 @@ class KVSeq:
         while j < len(accepted) and layout.in_seq0[accepted[j]]:
             j += 1
         keep = layout.base + layout.n_pending + j
-        self.ctx.mem_seq_rm(0, keep, -1)
+        if j < sum(layout.in_seq0):  # cells of branch 0 past the accepted prefix
+            self.ctx.mem_seq_rm(0, keep, -1)
         self.tokens.extend(pending)
         self.tokens.extend(draft.tokens[a] for a in accepted[:j])
         return [draft.tokens[a] for a in accepted[j:]]

@@ -131,14 +131,33 @@ class TokenTrie:
                 return None
         return node
 
-    def match(self, context: list[int], max_match: int) -> tuple[TrieNode | None, int]:
+    def match(self, context: list[int], max_match: int, cursor: Cursor | None = None) -> tuple[TrieNode | None, int]:
         """The node reached by the longest suffix of `context` (up to `max_match`) that has a
-        continuation, and that suffix's length."""
-        for s in range(min(max_match, len(context), self.window - 1), 0, -1):
+        continuation, and that suffix's length. With the `cursor` that has just inserted all of
+        `context`, the suffixes' nodes are its window ends: no walk from the root."""
+        top = min(max_match, len(context), self.window - 1)
+        if cursor is not None and cursor.n == len(context) and cursor.epoch == self._epoch:
+            tails = cursor.tails  # tails[-s] is the node of context[-s:]
+            for s in range(min(top, len(tails)), 0, -1):
+                node = tails[-s]
+                if node.children:
+                    return node, s
+            return None, 0
+        for s in range(top, 0, -1):
             node = self.walk(context[-s:])
             if node is not None and node.children:
                 return node, s
         return None, 0
+
+    def best_share(self, node: TrieNode) -> float:
+        """The trie's own estimate for `node`'s likeliest child (as `candidates` computes it)."""
+        best = total = 0
+        for c in node.children.values():
+            n = c.fp + c.fo
+            total += n
+            if n > best:
+                best = n
+        return best / (total + self.alpha)
 
     def candidates(
         self,

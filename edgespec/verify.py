@@ -87,6 +87,8 @@ def verify_step(
     """One step's verdict from the target's logits (`logits_at(node)`, node -1: the root):
     greedy walk; the rejection rule for a chain with draft distributions; else the tree walk."""
     if cfg.greedy:
+        if not draft.tokens:  # a plain step
+            return [], int(np.argmax(logits_at(-1)))
         return verify_greedy(draft, lambda n: int(np.argmax(logits_at(n))))
     probs = lambda n: warp(logits_at(n), cfg)  # noqa: E731
     if draft.probs is not None and draft.is_chain:

@@ -44,3 +44,51 @@ def test_attention_cost_has_a_per_token_intercept():
     assert back.attn0 == cm.attn0 and back.attn == cm.attn
     old = {k: v for k, v in cm.to_dict().items() if k != "attn0_us_per_token"}  # a record from before
     assert CostModel.from_dict(old).attn0 == 0.0
+
+
+def test_cost_model_learns_the_curves_shape_per_row_count():
+    """Decodes of 2 rows keep running 30% over the curve while 4 rows run on it: the one
+    correction for many rows follows the common size, the per-count shape fixes the other, and
+    a one-token draft is priced at what it costs. Batch mode's decodes (a prediction of their
+    own) leave the shape alone."""
+    ts = tuple(0.01 + 0.004 * (k - 1) for k in KS)
+    cm = CostModel(KS, ts)
+    for _ in range(60):
+        cm.observe(4, 100, cm.predict(4, 100))
+        cm.observe(1, 100, cm.predict(1, 100))
+        cm.observe(2, 100, 1.3 * cm.predict(2, 100))
+    assert abs(cm.t(2, 100) / cm.predict(2, 100) - 1.3) < 0.05
+    assert abs(cm.t(4, 100) / cm.predict(4, 100) - 1.0) < 0.05
+    assert abs(cm.t(3, 100) / cm.predict(3, 100) - cm.ratio[1]) < 1e-12  # never seen: the common correction
+    before = list(cm.shape)
+    cm.observe(3, 0, 0.05, predicted=0.01)  # a multi-sequence decode
+    assert cm.shape == before
+    # a draft whose one token is accepted 55% of the time: pays on the curve (2 rows = 1.4x
+    # one), not at the 2-row cost learned here (1.82x)
+    assert CostModel(KS, ts).best_size([0.55]) == 1 and cm.best_size([0.55], n_past=100) == 0
+
+
+def test_best_size_is_the_plain_scan_of_every_size():
+    """best_size inlines t(k) for speed: it must pick what scanning t(k) picks."""
+    import random
+
+    rng = random.Random(3)
+    cm = CostModel(KS, tuple(0.01 * (1 + 0.4 * k ** 0.9) for k in KS), 1e-7, 32, attn0=5e-8)
+    for _ in range(300):
+        k = rng.choice([1, 2, 3, 5, 9, 40])
+        cm.observe(k, rng.randrange(900), cm.predict(k, 100) * rng.uniform(0.8, 1.6))
+
+    def scan(probs, fixed, per_node, n_past, margin=0.02):
+        best_n, best = 0, (1.0 / cm.t(fixed, n_past)) * (1 + margin)
+        gain = 1.0
+        for n, p in enumerate(probs, start=1):
+            gain += p
+            rate = gain / (cm.t(fixed + n, n_past) + per_node * n)
+            if rate > best:
+                best_n, best = n, rate
+        return best_n
+
+    for _ in range(3000):
+        probs = sorted((rng.random() for _ in range(rng.randrange(70))), reverse=True)
+        fixed, per_node, n_past = rng.randint(1, 3), rng.choice([0.0, 1e-4]), rng.randrange(3000)
+        assert cm.best_size(probs, fixed, per_node, n_past=n_past) == scan(probs, fixed, per_node, n_past)

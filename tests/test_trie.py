@@ -182,3 +182,56 @@ def test_lookahead_probes_only_a_match_length_that_may_recover():
     depressed = {s: Calibration(prior=0.5) for s in range(1, 9)}
     sizes = drafts(prompt + [1, 2, 3, 4, 5], depressed)
     assert sizes[:15] == [0] * 15 and sizes[15] == 1 and sum(sizes) == 2  # every 16th step
+
+
+def test_match_from_the_cursor_is_the_match_from_the_root():
+    """The cursor's window ends are the context's suffix nodes: matching from them finds what
+    walking every suffix from the root finds, also after nodes were released."""
+    import random
+
+    rng = random.Random(11)
+    for trial in range(30):
+        t, cur = TokenTrie(window=6), Cursor()
+        seq = [rng.randrange(5) for _ in range(120)]
+        t.extend(seq[:30], PROMPT, cur)
+        n = 30
+        while n < len(seq):
+            n += rng.choice([1, 1, 2, 4])
+            t.extend(seq[:n], OUTPUT, cur)
+            for m in (1, 3, 8):
+                assert t.match(seq[:n], m, cur) == t.match(seq[:n], m)
+            if rng.random() < 0.05:
+                t.release_prompt()  # the cursor is stale until the next extend
+                assert t.match(seq[:n], 8, cur) == t.match(seq[:n], 8)
+
+
+def test_lookahead_skips_the_expansion_only_where_no_draft_would_pay():
+    """Every path below a match is at most as likely as its best first token, so where `limit`
+    nodes that likely would not pay, the full candidate list does not either."""
+    import random
+
+    from conftest import GREEDY
+    from edgespec.costmodel import KS, CostModel
+    from edgespec.drafters.base import Budget
+
+    rng = random.Random(5)
+    cm = CostModel(KS, tuple(0.01 * (1 + 0.4 * (k - 1) ** 0.9) for k in KS), online=False)
+    skipped = 0
+    for trial in range(300):
+        t = TokenTrie(window=8)
+        t.extend([rng.randrange(rng.choice([3, 6, 20])) for _ in range(200)], PROMPT)
+        node = rng.choice(list(t.root.children.values()))
+        while node.children and rng.random() < 0.6:
+            node = rng.choice(list(node.children.values()))
+        if not node.children:
+            continue
+        f = rng.uniform(0.2, 1.5)
+        b = Budget(max_nodes=32, max_branches=rng.choice([1, 4, 8]), fixed_rows=1, cost=cm, sampling=GREEDY,
+                   n_past=rng.randrange(1000))
+        bound = b.size([min(1.0, f * t.best_share(node))] * b.max_nodes)
+        cands = t.candidates(node, b.max_nodes, b.max_branches, lambda d: f)
+        assert cands[0].raw == t.best_share(node)
+        if bound == 0:
+            skipped += 1
+            assert b.size([c.path for c in cands]) == 0
+    assert 20 < skipped < 280  # both sides were exercised

@@ -63,23 +63,32 @@ class LookaheadDrafter:
         self._n_prompt = len(prompt)
 
     def propose(self, context: list[int], budget: Budget) -> Draft:
-        self.trie.extend(context, OUTPUT, self._cursor)
-        node, s = self.trie.match(context, self.max_match)
+        trie = self.trie
+        trie.extend(context, OUTPUT, self._cursor)
+        node, s = trie.match(context, self.max_match, self._cursor)
         limit = min(self.max_nodes, budget.max_nodes)
         if node is None or limit <= 0:
             return Draft()
         cal = self.calib[s]
-        cands = self.trie.candidates(node, limit, min(self.max_branches, budget.max_branches), cal.factor,
-                                     is_stop=self.is_stop)
-        size = budget.size([c.path for c in cands])
+        raw = trie.best_share(node)
+        # Every path below the node is at most as likely as its best first token: where `limit`
+        # nodes each that likely would not pay, no tree from here will (most steps of free
+        # text), and the expansion is skipped.
+        cands = None
+        if budget.size([min(1.0, cal.factor(1) * raw)] * limit) > 0:
+            cands = trie.candidates(node, limit, min(self.max_branches, budget.max_branches), cal.factor,
+                                    is_stop=self.is_stop)
+        size = budget.size([c.path for c in cands]) if cands else 0
         if size == 0:
             # Not paying now. Probe with the best token now and then, so that a match length whose
             # factor fell below its prior can recover; only where the prior itself expects the
             # token more often than not (a failed one-token draft costs most of a step here).
             self._skipped += 1
             prior = PRIORS.get(s, PRIOR_LONG)
-            if (self._skipped < 16 or not cands or cal.factor(1) >= prior
-                    or min(1.0, prior * cands[0].raw) < 0.5):
+            if self._skipped < 16 or cal.factor(1) >= prior or min(1.0, prior * raw) < 0.5:
+                return Draft()
+            cands = trie.candidates(node, 1, 1, cal.factor, is_stop=self.is_stop)
+            if not cands:
                 return Draft()
             size = 1
         self._skipped = 0
@@ -91,7 +100,9 @@ class LookaheadDrafter:
             self.calib[self._s].update(draft, accepted)
 
     def end(self) -> None:
-        if not self.shared:
+        # a trie of this generation's own without a cache file dies with the drafter: nothing
+        # to release (a walk of every node, milliseconds on a long answer)
+        if not self.shared and self.cache_path is not None:
             release_and_save(self.trie, self.cache_path)
 
 

@@ -46,6 +46,11 @@ class Generation(Lifecycle):
             committed = [first]
             draft, accepted = Draft(), []
             t_draft = t_verify = 0.0
+            # fixed for the generation; looked up once (every step's Python time is a share of
+            # the plain step it runs next to)
+            max_rows = min(ctx.n_batch, eng.max_verify_rows)
+            n_seq_max, cost, n_min = ctx.cfg.n_seq_max, eng.cost, eng.cfg.draft_n_min
+            propose, accept = self.drafter.propose, self.drafter.accept
             while True:
                 ev, done = self._commit(step_no, draft, accepted, committed, t_draft, t_verify,
                                         draft.source or self.drafter.name)
@@ -57,21 +62,21 @@ class Generation(Lifecycle):
                 if room < 0:
                     st.finish_reason = "context"
                     return
+                n_before = kv.n
                 budget = Budget(
-                    max_nodes=min(room, ctx.n_batch, eng.max_verify_rows) - len(pending),
-                    max_branches=ctx.cfg.n_seq_max,
+                    max_nodes=min(room, max_rows) - len(pending),
+                    max_branches=n_seq_max,
                     fixed_rows=len(pending),
-                    cost=eng.cost,
+                    cost=cost,
                     sampling=cfg,
-                    n_past=kv.n,
-                    n_min=eng.cfg.draft_n_min,
+                    n_past=n_before,
+                    n_min=n_min,
                 )
                 t1 = time.perf_counter()
-                draft = self.drafter.propose(self.context, budget) if budget.max_nodes > 0 else Draft()
+                draft = propose(self.context, budget) if budget.max_nodes > 0 else Draft()
                 t2 = time.perf_counter()
-                n_before = kv.n
                 layout = kv.decode_tree(pending, draft)
-                eng.cost.observe(len(pending) + len(draft), n_before, time.perf_counter() - t2)
+                cost.observe(len(pending) + len(draft), n_before, time.perf_counter() - t2)
                 accepted, nxt = verify_step(draft, lambda n: ctx.logits(layout.row(n)), cfg, rng)
                 if rows_hook is not None:  # batch rows of the root and the accepted path
                     rows_hook(len(self.context) - 1, [layout.row(-1)] + [layout.row(a) for a in accepted])
@@ -84,7 +89,7 @@ class Generation(Lifecycle):
                 committed = [draft.tokens[a] for a in accepted] + [nxt]
                 t3 = time.perf_counter()
                 t_draft, t_verify = t2 - t1, t3 - t2
-                self.drafter.accept(draft, accepted, committed)
+                accept(draft, accepted, committed)
         finally:
             st.t_gen = time.perf_counter() - self.t_start if self.t_start else 0.0
             self.drafter.end()
