@@ -87,7 +87,8 @@ class LookaheadDrafter:
             prior = PRIORS.get(s, PRIOR_LONG)
             if self._skipped < 16 or cal.factor(1) >= prior or min(1.0, prior * raw) < 0.5:
                 return Draft()
-            cands = trie.candidates(node, 1, 1, cal.factor, is_stop=self.is_stop)
+            # the best first token: already expanded unless the bound skipped the expansion
+            cands = cands or trie.candidates(node, 1, 1, cal.factor, is_stop=self.is_stop)
             if not cands:
                 return Draft()
             size = 1
