@@ -173,7 +173,9 @@ class TokenTrie:
         Any prefix of the result is a valid tree (a parent precedes its children) with at most
         `max_branches` leaves. A child's conditional chance is its share of its siblings'
         counts, smoothed, times the per-depth calibration `calib(depth)`. A token for which
-        `is_stop` holds (end of generation) is a leaf: nothing after it could be used.
+        `is_stop` holds (end of generation) is never a candidate: the row before it already
+        yields it as the step's own token when the target ends there, so its row would be
+        verified for nothing (and nothing after it could be used).
         """
         out: list[Candidate] = []
         heap: list[tuple[float, int, TrieNode, int, int, float, float, int]] = []
@@ -194,6 +196,8 @@ class TokenTrie:
             if len(counts) > max_children:  # only the likeliest few can make it into a small tree
                 counts = heapq.nlargest(max_children, counts, key=lambda x: x[0])
             for count, tok, child in counts:
+                if is_stop is not None and is_stop(tok):
+                    continue
                 raw = count / total
                 cond = f * raw
                 if cond > 1.0:
@@ -217,8 +221,7 @@ class TokenTrie:
             n_children[parent_idx + 1] += 1
             out.append(Candidate(tok, parent_idx, depth, raw, cond, -negp))
             n_children.append(0)
-            if is_stop is None or not is_stop(tok):
-                push(child, len(out) - 1, depth + 1, -negp)
+            push(child, len(out) - 1, depth + 1, -negp)
         return out
 
     # -- maintenance ----------------------------------------------------------------------

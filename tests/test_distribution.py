@@ -161,7 +161,8 @@ def test_gof_detects_a_biased_sampler():
 
 
 # An answer that often ends within L tokens ("Yes" then end of generation): drafts reach the end
-# token and stop after it, which must leave the sampled output the target's.
+# token (a sampled draft model's and PEARL's stop after drafting it, lookahead's before it),
+# which must leave the sampled output the target's.
 EOG_PROMPT = "Reply with the single word: yes"
 EOG_METHODS = {
     "draft": lambda eng, toks: forced(eng, lambda cfg: eng.make_drafter("draft", cfg.seed), toks),

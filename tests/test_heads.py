@@ -98,6 +98,10 @@ def test_select_lays_trees_out_depth_first():
     b2 = replace(b, max_branches=2, n_min=8)
     d2 = select(nodes, b2, "x")
     assert len(d2.leaves()) <= 2
+    # an end-of-generation node is left out: where the target ends there, its parent's row
+    # yields the end token as the step's own, so its row would buy nothing
+    d3 = select(nodes, b, "x", is_stop=lambda tok: tok == 14)
+    assert d3.tokens == [10, 12, 13, 11] and d3.parents == [-1, 0, 0, -1]
 
 
 # -- on the real target ----------------------------------------------------------------------

@@ -92,15 +92,16 @@ def test_multi_branch_retrieval_frequency_ordered_within_budget():
 
 
 def test_branches_stop_at_the_end_of_generation():
-    """Nothing after an end-of-generation token can be kept, so it is drafted as a leaf: a chat
-    prompt's branches run on into the template (end of turn, the next turn's header)."""
+    """Nothing after an end-of-generation token can be kept, and the token itself needs no row
+    (the row before yields it where the target ends), so a branch is drafted up to it, without
+    it: a chat prompt's branches run on into the template (end of turn, the next turn's header)."""
     t = TokenTrie(window=6)
     for _ in range(3):
         t.insert([1, 2, 99, 7, 8, 9], PROMPT)
     node = t.walk([1])
     assert [c.token for c in t.candidates(node, 8, 8)] == [2, 99, 7, 8, 9]
     stopped = t.candidates(node, 8, 8, is_stop=lambda tok: tok == 99)
-    assert [c.token for c in stopped] == [2, 99]
+    assert [c.token for c in stopped] == [2]
 
 
 def test_tree_assembly_puts_likeliest_branch_first():

@@ -107,13 +107,17 @@ class DraftModelDrafter(TokenTimed):
                 if budget.size(path + [nxt_path], self.t_token) <= len(tokens):
                     break  # one more token would not pay for its row and its drafting
             x = int(np.argmax(logits)) if q is None else sample(q, self.rng)
+            if q is None and self.is_stop is not None and self.is_stop(x):
+                # greedy: the target ends here if the row before yields the end token, which it
+                # does as the step's own token; the end token's row would buy nothing
+                break
             tokens.append(x)
             if q is not None:
                 probs.append(q)
             est.append(min(1.0, top))
             path.append(nxt_path)
             if self.is_stop is not None and self.is_stop(x):
-                break  # a stop after a drafted token, never a filter on it: sampling stays exact
+                break  # sampled: a stop after a drafted token, never a filter on it (exactness)
             if len(tokens) < limit:
                 t0 = time.perf_counter()
                 row = self.kv.extend([x])

@@ -376,11 +376,11 @@ class Eagle3Drafter(TokenTimed):
                 if budget.size(path + [nxt], self.t_token) <= len(tokens):
                     break
             x = int(ids[0])
+            if self.is_stop is not None and self.is_stop(x):
+                break  # an end token needs no row: the row before yields it where the target ends
             tokens.append(x)
             est.append(top)
             path.append(nxt)
-            if self.is_stop is not None and self.is_stop(x):
-                break  # nothing after an end of generation could be kept
             if len(tokens) < limit:
                 t0 = time.perf_counter()
                 if not rt.decode([(0, pos + len(tokens) - 1, x, rt.prenorm_addr(row))]):
@@ -456,7 +456,7 @@ class Eagle3Drafter(TokenTimed):
                     new.append(len(nodes) - 1)
             frontier = new
             depth += 1
-        draft = select(nodes, budget, self.name, self.t_token)
+        draft = select(nodes, budget, self.name, self.t_token, is_stop=self.is_stop)
         if len(draft) < self.n_min:
             return Draft()
         return draft

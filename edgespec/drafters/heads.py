@@ -31,9 +31,12 @@ def _top(p: np.ndarray, k: int) -> np.ndarray:
     return idx[np.argsort(-p[idx])]
 
 
-def select(nodes: list[tuple[float, int, int, float]], budget: Budget, name: str, per_node: float = 0.0) -> Draft:
+def select(nodes: list[tuple[float, int, int, float]], budget: Budget, name: str, per_node: float = 0.0,
+           is_stop=None) -> Draft:
     """`nodes`: (path probability, parent index or -1, token, conditional probability), parents
-    listed before children. Keep the most likely nodes within the budget's rows and branches."""
+    listed before children. Keep the most likely nodes within the budget's rows and branches.
+    A node whose token `is_stop` (an end of generation) is left out: where the target ends there,
+    the row of its parent yields the end token as the step's own, so its row would buy nothing."""
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], i))
     kept: list[int] = []
     index: dict[int, int] = {}
@@ -45,6 +48,8 @@ def select(nodes: list[tuple[float, int, int, float]], budget: Budget, name: str
         parent = nodes[i][1]
         if parent >= 0 and parent not in index:
             continue  # its parent was cut: it cannot be verified
+        if is_stop is not None and is_stop(nodes[i][2]):
+            continue
         new_leaf = parent < 0 or parent in has_child
         if new_leaf and leaves >= budget.max_branches:
             continue
@@ -120,7 +125,7 @@ class MedusaDrafter(_HeadsDrafter):
             top = _top(probs[d], self.top_k)
             choices.append([(int(self.heads.vocab[d].ids[j]), self._cond(float(probs[d][j]))) for j in top])
         nodes = _best_first(choices, min(self.max_nodes, budget.max_nodes * 2), self.is_stop)
-        draft = select(nodes, budget, self.name)
+        draft = select(nodes, budget, self.name, is_stop=self.is_stop)
         self.t_draft += time.perf_counter() - t0
         self.n_draft += 1
         return draft
@@ -242,4 +247,4 @@ class EagleDrafter(_HeadsDrafter):
                     anc.append(anc[i] + [i])
                     new.append(len(nodes) - 1)
             frontier = new
-        return select(nodes, budget, self.name)
+        return select(nodes, budget, self.name, is_stop=self.is_stop)

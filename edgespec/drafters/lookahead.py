@@ -42,8 +42,10 @@ class LookaheadDrafter:
         """`shared`: the trie is fed by several requests at once (batch mode); each drafter keeps
         its own insertion cursor, and prompt branches stay until the owner releases them.
         `is_stop(token)`: the token ends a generation (the target's end-of-generation tokens), so
-        a branch is drafted up to it and not past it: a chat prompt's branches run on into the
-        template's `<|im_end|>`, `<|im_start|>assistant`, which an answer never continues into."""
+        a branch is drafted up to it, without it: a chat prompt's branches run on into the
+        template's `<|im_end|>`, `<|im_start|>assistant`, which an answer never continues into,
+        and the end token itself needs no row (where the target ends there, the row before it
+        yields it as the step's own token)."""
         self.cache_path = Path(cache_path) if cache_path else None
         self.trie = trie or load_trie(self.cache_path, window)
         self.shared = shared

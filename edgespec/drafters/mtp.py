@@ -261,11 +261,11 @@ class MtpDrafter(TokenTimed):
                 if budget.size(path + [nxt_path], self.t_token) <= len(tokens):
                     break  # one more token would not pay for its row and its drafting
             x = int(np.argmax(logits))
+            if self.is_stop is not None and self.is_stop(x):
+                break  # an end token needs no row: the row before yields it where the target ends
             tokens.append(x)
             est.append(min(1.0, top))
             path.append(nxt_path)
-            if self.is_stop is not None and self.is_stop(x):
-                break  # nothing after an end of generation could be kept
             if len(tokens) < limit:
                 t1 = time.perf_counter()
                 m.decode([(x, n_seed + len(tokens), m.h_out(row))], out_last=True)

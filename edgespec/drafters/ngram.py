@@ -53,7 +53,7 @@ class NgramDrafter:
     needs_target_hidden = False
 
     def __init__(self, n_min: int = 1, n_max: int = 3, max_len: int = 16, is_stop=None):
-        """`is_stop(token)`: the token ends a generation; a draft ends with it (see lookahead)."""
+        """`is_stop(token)`: the token ends a generation; a draft ends before it (see lookahead)."""
         self.index = NgramIndex(n_min, n_max)
         self.is_stop = is_stop
         self.max_len = max_len
@@ -73,7 +73,7 @@ class NgramDrafter:
         n, cont = self.index.lookup(context, k)
         if self.is_stop is not None:
             cut = next((i for i, t in enumerate(cont) if self.is_stop(t)), None)
-            cont = cont if cut is None else cont[: cut + 1]
+            cont = cont if cut is None else cont[:cut]  # (see lookahead: an end token's row buys nothing)
         if not cont:
             return Draft()
         cal = self.cond[n]
