@@ -34,6 +34,12 @@ def test_report_fields(tmp_path, suite_file, capsys):
     assert rep["mismatches"] == []
     assert {r["method"] for r in rep["records"]} == {"none", "ngram", "lookahead"}
     assert len(rep["records"]) == 6
+    # answers this short run in several interleaved rounds (--min-time, 1 s by default): every
+    # method as many as plain decoding, their counts and times summed
+    for r in rep["records"]:
+        assert r["runs"] == next(x["runs"] for x in rep["records"] if x["method"] == "none" and x["id"] == r["id"])
+        assert 1 < r["runs"] <= bench_run.MAX_ROUNDS
+        assert r["tokens_per_s"] == pytest.approx((r["n_generated"] - r["runs"]) / r["t_gen"], rel=1e-3)
     rows = {(r["method"], r["category"]): r for r in rep["summary"]}
     assert set(rows) >= {("none", "quote"), ("none", "chat"), ("lookahead", "all"), ("ngram", "quote")}
     # the lookahead row is the geometric mean of its per-prompt ratios against none's same run
@@ -69,11 +75,29 @@ def test_mismatch_is_flagged(suite_file, monkeypatch, capsys):
 
     monkeypatch.setattr(bench_run, "run_method", broken)
     rc = cli.main(["bench", "-m", "smollm2-135m-instruct:q4_0", "-t", "2", "--suite", str(suite_file),
-                   "--methods", "none,ngram", "-n", "24"])
+                   "--methods", "none,ngram", "-n", "24", "--min-time", "0"])
     assert rc == 3
     captured = capsys.readouterr()
     assert "**NO**" in captured.out
     assert "differ from plain greedy decoding" in captured.err
+
+
+def test_rounds_merge_into_one_record():
+    """A repeat's rounds (--min-time): counts and times summed, rates from the sums, each run's
+    first token (it comes with the prompt) left out of the rate as in one run's."""
+    from edgespec.events import Stats
+
+    runs = [Stats(n_generated=15, n_steps=16, t_gen=0.10, finish_reason="stop"),
+            Stats(n_generated=15, n_steps=14, t_gen=0.12, n_drafted=3, n_accept=2, finish_reason="stop")]
+    rec = bench_run.merge_runs(runs)
+    assert rec["runs"] == 2 and rec["n_generated"] == 30 and rec["n_steps"] == 30
+    assert rec["tokens_per_s"] == pytest.approx(28 / 0.22, rel=1e-3) and rec["finish_reason"] == "stop"
+    theirs = [{"method": "llama.cpp:lookup", "tokens_per_s": 100.0, "n_generated": 10, "same_as_own_plain": True},
+              {"method": "llama.cpp:lookup", "tokens_per_s": 50.0, "n_generated": 10, "same_as_own_plain": False}]
+    one = bench_run.merge_llama_runs(theirs)
+    assert one["tokens_per_s"] == pytest.approx(20 / 0.3, rel=1e-3) and one["runs"] == 2
+    assert one["same_as_own_plain"] is False
+    assert bench_run.merge_llama_runs(theirs[:1]) == theirs[0]
 
 
 def test_suite_parsing(tmp_path):

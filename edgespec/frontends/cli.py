@@ -198,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--categories", default=None, help="comma-separated categories (or prefixes) to keep")
     b.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=256, help="tokens per prompt (default: %(default)s)")
     b.add_argument("--repeat", type=int, default=1, help="runs per prompt and method (default: %(default)s)")
+    b.add_argument("--min-time", dest="min_time", type=float, default=1.0, metavar="SECONDS",
+                   help="within a repeat, run every method again, interleaved, until plain decoding has generated "
+                        "for this long; a short answer's times and counts are then the sums over those rounds "
+                        "(default: %(default)s; 0: one round)")
     b.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     b.add_argument("--out", default=None, help="folder for report.json")
     b.add_argument("--parallel", default=None, metavar="N,N,...",
@@ -518,6 +522,8 @@ def cmd_bench(a) -> int:
     _validate(a)
     if a.repeat < 1:
         raise EdgespecError("--repeat must be at least 1")
+    if not 0 <= a.min_time <= 600:
+        raise EdgespecError("--min-time takes seconds from 0 to 600")
     if a.limit < 0:
         raise EdgespecError("--limit must be at least 0 (0: every prompt)")
     if a.out and os.path.exists(a.out) and not os.path.isdir(a.out):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ... import methods as registry
 from ...errors import EdgespecError
+from ...events import Stats
 from ...sampling import SamplingConfig
 from ..console import stderr_console
 from .llamacpp import run_llama_cpp, same_answer
@@ -24,6 +25,38 @@ from .suites import load_suite
 GREEDY = SamplingConfig(temp=0.0)
 
 LLAMA_CPP = "llama.cpp"  # the entry of llama.cpp's tools in a repeat's order
+MAX_ROUNDS = 16  # rounds of a repeat at most (--min-time)
+
+
+def merge_runs(runs: list) -> dict:
+    """One record for a repeat's rounds of a method: counts and times summed, rates from the
+    sums (each run's first token comes with its prompt, so it is left out of each)."""
+    total = Stats()
+    for st in runs:
+        total.merge(st)
+    rec = total.to_dict()
+    gen = sum(max(0, st.n_generated - 1) for st in runs)
+    rec["tokens_per_s"] = round(gen / total.t_gen, 2) if total.t_gen > 0 and gen else 0.0
+    rec["finish_reason"] = runs[0].finish_reason
+    rec["runs"] = len(runs)
+    return rec
+
+
+def merge_llama_runs(runs: list[dict]) -> dict:
+    """llama.cpp's records of a repeat's rounds for one tool: the first run's fields, its rates
+    from the summed times (a run's time: its tokens over its rate) and whether every run kept
+    llama.cpp's own plain answer."""
+    rec = dict(runs[0])
+    if len(runs) > 1:
+        for key, count in (("tokens_per_s", "n_generated"), ("eval_tokens_per_s", "n_generated")):
+            rates = [(r.get(count) or 1, r.get(key)) for r in runs]
+            if all(v for _, v in rates):
+                rec[key] = round(sum(c for c, _ in rates) / sum(c / v for c, v in rates), 2)
+        rec["wall_s"] = sum(r.get("wall_s", 0.0) for r in runs)
+        if any("same_as_own_plain" in r for r in runs):
+            rec["same_as_own_plain"] = all(r.get("same_as_own_plain", True) for r in runs)
+        rec["runs"] = len(runs)
+    return rec
 
 
 def run_method(eng, tokens: list[int], n: int, method: str):
@@ -64,24 +97,39 @@ def run_bench(a, engine_cfg) -> int:
                   TextColumn("{task.fields[info]}"), transient=True, console=stderr_console()) as prog:
         task = prog.add_task("bench", total=total, info="")
         llama_cpp = [LLAMA_CPP] if getattr(a, "llama_cpp_bin", None) else []
+        min_time = getattr(a, "min_time", 0.0)
         for item, toks, n in prompts:
             for rep in range(a.repeat):
-                # interleaved (A B C A B C ...), the order rotated from one repeat to the next, so
-                # that no method always runs first or right after another (llama.cpp's tools count
-                # as one entry)
-                order = methods + llama_cpp
-                order = order[rep % len(order):] + order[:rep % len(order)]
-                outputs, step, theirs = {}, [], []
-                for m in order:
-                    if m == LLAMA_CPP:
-                        theirs = run_llama_cpp(a.llama_cpp_bin, eng, [(item, toks, n)], engine_cfg, rep,
-                                               getattr(a, "llama_cpp_kv", None))
-                        continue
-                    g = run_method(eng, toks, n, m)
-                    outputs[m] = g.tokens
-                    step.append({"id": item["id"], "category": item["category"], "method": m, "repeat": rep,
-                                 **g.stats.to_dict()})
-                    prog.update(task, advance=1, info=f"{item['id']} {m} {g.stats.tokens_per_s:.0f} tok/s")
+                # interleaved (A B C A B C ...), the order rotated from one repeat (and round) to
+                # the next, so that no method always runs first or right after another (llama.cpp's
+                # tools count as one entry). A short answer runs in several rounds, until plain
+                # decoding has generated for `min_time`: one hiccup of a shared machine is tens of
+                # percent of a 15-token answer's 0.1 s.
+                outputs, stable, cells, theirs_cells = {}, {}, {}, {}
+                plain_time, rnd = 0.0, 0
+                while True:
+                    order = methods + llama_cpp
+                    k = (rep + rnd) % len(order)
+                    for m in order[k:] + order[:k]:
+                        if m == LLAMA_CPP:
+                            for rec in run_llama_cpp(a.llama_cpp_bin, eng, [(item, toks, n)], engine_cfg, rep,
+                                                     getattr(a, "llama_cpp_kv", None)):
+                                theirs_cells.setdefault(rec["method"], []).append(rec)
+                            continue
+                        g = run_method(eng, toks, n, m)
+                        # every round's output must be the same (and equal to none's)
+                        stable[m] = stable.get(m, True) and g.tokens == outputs.setdefault(m, g.tokens)
+                        cells.setdefault(m, []).append(g.stats)
+                        if m == "none":
+                            plain_time += g.stats.t_gen
+                        prog.update(task, info=f"{item['id']} {m} {g.stats.tokens_per_s:.0f} tok/s")
+                    rnd += 1
+                    if plain_time >= min_time or rnd >= MAX_ROUNDS:
+                        break
+                step = [{"id": item["id"], "category": item["category"], "method": m, "repeat": rep,
+                         **merge_runs(cells[m])} for m in methods]
+                theirs = [merge_llama_runs(rs) for rs in theirs_cells.values()]
+                prog.update(task, advance=len(methods))
                 ref = outputs.get("none")
                 if ref is not None and item["id"] not in texts:
                     texts[item["id"]] = (item["category"], toks, list(ref))
@@ -94,7 +142,7 @@ def run_bench(a, engine_cfg) -> int:
                     records.append({**rec, "match": match})
                 for rec in sorted(step, key=lambda r: methods.index(r["method"])):
                     m = rec["method"]
-                    match = outputs[m] == ref
+                    match = outputs[m] == ref and stable[m] and stable["none"]
                     if not match:
                         mismatches.append((item["id"], m))
                         prog.console.print(f"[bold red]MISMATCH[/]: {m} output differs from none on {item['id']}")
