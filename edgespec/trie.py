@@ -39,6 +39,7 @@ class Candidate(NamedTuple):
     raw: float  # the trie's own estimate: this child's share of its siblings' counts, smoothed
     cond: float  # calibrated chance of acceptance given the parent was accepted
     path: float  # calibrated chance that the whole path to this node is accepted
+    closing: bool = False  # the token closes a prompt's message (see `candidates`)
 
 
 class Cursor:
@@ -167,6 +168,8 @@ class TokenTrie:
         calib: Callable[[int], float] | None = None,
         min_path: float = 1e-3,
         is_stop: Callable[[int], bool] | None = None,
+        ends: tuple[int, ...] = (),
+        end_calib: Callable[[int], float] | None = None,
     ) -> list[Candidate]:
         """Best-first expansion below `node`: candidates in order of non-increasing path chance.
 
@@ -176,9 +179,17 @@ class TokenTrie:
         `is_stop` holds (end of generation) is never a candidate: the row before it already
         yields it as the step's own token when the target ends there, so its row would be
         verified for nothing (and nothing after it could be used).
+
+        A child whose path a prompt continued into one of the `ends` tokens (the end of a turn)
+        closes a message of the prompt: an answer that quoted the message up to there goes its
+        own way at the message's end far more often than the count says (a question's `?`
+        where the answer states; measured on the MT-bench and HumanEval prompts, about one in
+        five such tokens was kept where their match lengths predicted three in four), so its
+        conditional chance is calibrated by `end_calib(depth)` instead, and it is marked
+        `closing` for the caller to learn that calibration.
         """
         out: list[Candidate] = []
-        heap: list[tuple[float, int, TrieNode, int, int, float, float, int]] = []
+        heap: list[tuple[float, int, TrieNode, int, int, float, float, int, bool]] = []
         heappush, alpha, max_children = heapq.heappush, self.alpha, self.max_children
         factors: dict[int, float] = {}
         tick = 0
@@ -199,12 +210,20 @@ class TokenTrie:
                 if is_stop is not None and is_stop(tok):
                     continue
                 raw = count / total
-                cond = f * raw
+                closing = False
+                if ends:
+                    grand = child.children
+                    for e in ends:
+                        g = grand.get(e)
+                        if g is not None and g.fp > 0:
+                            closing = True
+                            break
+                cond = (end_calib(depth) if closing and end_calib is not None else f) * raw
                 if cond > 1.0:
                     cond = 1.0
                 path = parent_path * cond
                 if path >= min_path:
-                    heappush(heap, (-path, tick, child, parent_idx, depth, raw, cond, tok))
+                    heappush(heap, (-path, tick, child, parent_idx, depth, raw, cond, tok, closing))
                     tick += 1
 
         push(node, -1, 1, 1.0)
@@ -212,14 +231,14 @@ class TokenTrie:
         leaves = 0
         heappop = heapq.heappop
         while heap and len(out) < max_nodes:
-            negp, _, child, parent_idx, depth, raw, cond, tok = heappop(heap)
+            negp, _, child, parent_idx, depth, raw, cond, tok, closing = heappop(heap)
             # a new child of a node that already has one opens a new branch
             if parent_idx == -1 or n_children[parent_idx + 1] > 0:
                 if leaves >= max_branches:
                     continue
                 leaves += 1
             n_children[parent_idx + 1] += 1
-            out.append(Candidate(tok, parent_idx, depth, raw, cond, -negp))
+            out.append(Candidate(tok, parent_idx, depth, raw, cond, -negp, closing))
             n_children.append(0)
             push(child, len(out) - 1, depth + 1, -negp)
         return out

@@ -1,5 +1,7 @@
 """The Lookahead trie on hand-written token lists."""
 
+import pytest
+
 from edgespec.drafters.lookahead import _as_tree
 from edgespec.trie import OUTPUT, PROMPT, Cursor, TokenTrie, TrieNode
 
@@ -104,11 +106,27 @@ def test_branches_stop_at_the_end_of_generation():
     assert [c.token for c in stopped] == [2]
 
 
+def test_a_token_that_closes_a_prompt_message_takes_its_own_calibration():
+    """A token after which a prompt's message ended (its path went on into the end of turn, 99)
+    is priced by `end_calib` and marked; one after which an earlier answer ended is not."""
+    t = TokenTrie(window=6)
+    t.insert([1, 2, 99], PROMPT)
+    t.insert([1, 3, 99], OUTPUT)
+    stop = lambda tok: tok == 99  # noqa: E731
+    cands = t.candidates(t.walk([1]), 8, 8, lambda d: 1.0, is_stop=stop, ends=(99,), end_calib=lambda d: 0.25)
+    by_tok = {c.token: c for c in cands}
+    assert by_tok[2].closing and by_tok[2].cond == pytest.approx(0.25 * by_tok[2].raw)
+    assert not by_tok[3].closing and by_tok[3].cond == pytest.approx(by_tok[3].raw)
+    assert cands[0].token == 3  # the answer's ending, now likelier than the message's
+    d, closing = _as_tree(cands, "lookahead")
+    assert [d.tokens[i] for i in closing] == [2]
+
+
 def test_tree_assembly_puts_likeliest_branch_first():
     t = TokenTrie(window=4)
     for seq in ([1, 2, 3], [1, 2, 3], [1, 5, 6]):
         t.insert(seq, PROMPT)
-    d = _as_tree(t.candidates(t.walk([1]), 8, 8), "lookahead")
+    d, closing = _as_tree(t.candidates(t.walk([1]), 8, 8), "lookahead")
     assert d.tokens[:2] == [2, 3] and d.parents[:2] == [-1, 0]
     assert sorted(d.tokens) == [2, 3, 5, 6] and len(d.leaves()) == 2
 
@@ -236,3 +254,35 @@ def test_lookahead_skips_the_expansion_only_where_no_draft_would_pay():
             skipped += 1
             assert b.size([c.path for c in cands]) == 0
     assert 20 < skipped < 280  # both sides were exercised
+
+
+def test_lookahead_prices_a_message_end_apart_and_learns_it_apart():
+    """A prompt whose message ends after token 6 (99: end of turn): after a 5-token match the
+    trie's 6 is priced by the calibration of message ends (prior 0.3) and not drafted where the
+    same match elsewhere is; when it is drafted, what the target did teaches that calibration,
+    not the match length's."""
+    from conftest import GREEDY
+    from edgespec.costmodel import KS, CostModel
+    from edgespec.drafters.base import Budget
+    from edgespec.drafters.lookahead import CLOSING, LookaheadDrafter
+
+    cheap = CostModel(KS, tuple(0.01 * (1 + 0.3 * (k - 1)) for k in KS), online=False)
+    budget = Budget(max_nodes=8, max_branches=1, fixed_rows=1, cost=cheap, sampling=GREEDY)
+    stop = lambda tok: tok == 99  # noqa: E731
+    prompt = [1, 2, 3, 4, 5, 6, 99, 50, 1, 2, 3, 4, 5, 7, 8]
+    d = LookaheadDrafter(window=8, is_stop=stop)
+    d.begin(prompt)
+    mid = d.propose(prompt + [1, 2, 3, 4, 5], budget)  # 6 (the message's end) or 7: seen once each
+    assert mid.tokens[:1] == [7] and 6 not in mid.tokens
+    lone = LookaheadDrafter(window=8, is_stop=stop)
+    lone.begin([1, 2, 3, 4, 5, 6, 99])
+    assert lone.propose([1, 2, 3, 4, 5, 6, 99, 30, 1, 2, 3, 4, 5], budget).tokens == []
+    # forced: the node is drafted and rejected; only the calibration of message ends learns it
+    before = {s: c.factor(1) for s, c in lone.calib.items()}
+    forced = Budget(max_nodes=8, max_branches=1, fixed_rows=1, cost=cheap, sampling=GREEDY, n_min=1)
+    draft = lone.propose([1, 2, 3, 4, 5, 6, 99, 30, 1, 2, 3, 4, 5], forced)
+    assert draft.tokens == [6] and lone._closing == [0]
+    lone.accept(draft, [], [31])
+    after = {s: c.factor(1) for s, c in lone.calib.items()}
+    assert after[CLOSING] < before[CLOSING]
+    assert all(after[s] == pytest.approx(before[s]) for s in before if s != CLOSING)

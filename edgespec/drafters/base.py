@@ -80,7 +80,8 @@ class Calibration:
         d = min(depth, len(self.est)) - 1
         return float(self.acc[d] / self.est[d])
 
-    def update(self, draft: Draft, accepted: list[int]) -> None:
+    def update(self, draft: Draft, accepted: list[int], skip: set[int] | frozenset[int] = frozenset()) -> None:
+        """Learn from one verified draft; nodes in `skip` are left to another calibration."""
         if not draft.tokens or draft.est is None:
             return
         reached_parents = {-1, *accepted}
@@ -89,7 +90,7 @@ class Calibration:
         self.est *= self.decay
         self.acc *= self.decay
         for i, p in enumerate(draft.parents):
-            if p in reached_parents:
+            if p in reached_parents and i not in skip:
                 d = min(depths[i], len(self.est)) - 1
                 self.est[d] += draft.est[i]
                 self.acc[d] += 1.0 if i in acc else 0.0
