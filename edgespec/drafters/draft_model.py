@@ -42,8 +42,9 @@ class DraftModelDrafter(TokenTimed):
 
     def __init__(self, model: Model, kv: KVSeq, n_max: int = 16, n_min: int = 0, p_min: float = 0.0,
                  seed: int | None = None, t_token: float = 0.0, is_stop=None):
-        """`is_stop(token)`: the token ends a generation; a draft ends with it (nothing after it
-        could be kept)."""
+        """`is_stop(token)`: the token ends a generation; a greedy draft ends before it (the row
+        before yields it where the target ends), a sampled one with it (never a filter on a drawn
+        token: the drafted law stays the draft model's)."""
         self.model = model
         self.is_stop = is_stop
         self.kv = kv

@@ -284,8 +284,8 @@ class Eagle3Drafter(TokenTimed):
 
     def __init__(self, rt: Eagle3Runtime, n_max: int = 16, n_min: int = 0, p_min: float = 0.0,
                  tree: bool = False, top_k: int = 4, beam: int = 4, p_stop: float = 0.02, is_stop=None):
-        """`is_stop(token)`: the token ends a generation: a chain ends with it, a tree node with
-        it is a leaf (nothing after it could be kept)."""
+        """`is_stop(token)`: the token ends a generation: a chain ends before it, a tree leaves it
+        out (where the target ends there, the row before yields it as the step's own token)."""
         self.rt = rt
         self.is_stop = is_stop
         self.hidden_taps = rt.taps

@@ -85,7 +85,7 @@ class _HeadsDrafter:
 
     def __init__(self, top_k: int, is_stop=None):
         self.top_k = top_k
-        self.is_stop = is_stop  # is_stop(token): the token ends a generation (a leaf of the tree)
+        self.is_stop = is_stop  # is_stop(token): the token ends a generation (no children; `select` leaves it out)
         self.calib = Calibration(prior=0.6)
         self.t_draft = 0.0  # seconds spent drafting in this generation
         self.n_draft = 0  # draft steps

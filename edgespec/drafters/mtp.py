@@ -143,7 +143,7 @@ class MtpDrafter(TokenTimed):
     def __init__(self, mtp: MtpContext, n_max: int = 1, p_min: float = 0.0, is_stop=None):
         """`n_max`: draft tokens per step at most (1: the MTP's trained depth; more chain its
         own output state). `p_min`: stop a chain at a token whose probability is below it.
-        `is_stop(token)`: the token ends a generation, so a chain ends with it."""
+        `is_stop(token)`: the token ends a generation, so a chain ends before it."""
         self.m = mtp
         self.is_stop = is_stop
         self.n_max, self.p_min = max(1, n_max), p_min
