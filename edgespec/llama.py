@@ -22,6 +22,13 @@ from .kvtypes import DEFAULT_KV, KV_TYPES, kv_paths_agree, kv_spec, kv_types  # 
 import llama_cpp as lc  # noqa: E402  (imports after our own modules on purpose: it prints nothing)
 
 _LOG: collections.deque[str] = collections.deque(maxlen=64)
+
+# llama_get_logits_ith returning the row's address as an int: the binding's own returns a float
+# pointer, which costs a cast to an address on every call (a step reads its logits right after a
+# decode, when all of this is cold: the cast and a new numpy view took ~40 us of a ~8 ms step)
+_logits_addr = lc.llama_cpp._lib["llama_get_logits_ith"]
+_logits_addr.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+_logits_addr.restype = ctypes.c_void_p
 _init_lock = threading.Lock()
 _initialized = False
 
@@ -222,6 +229,7 @@ class Context:
         self.mem = lc.llama_get_memory(ctx)
         self._batch = lc.llama_batch_init(self.n_batch, 0, cfg.n_seq_max)
         self._row_type = ctypes.c_float * model.n_vocab
+        self._views: dict[int, np.ndarray] = {}  # logits row address -> a view of it
 
     def set_threads(self, n: int) -> None:
         lc.llama_set_n_threads(self.ptr, n, n)
@@ -271,11 +279,18 @@ class Context:
 
     def logits(self, i: int) -> np.ndarray:
         """A view of the logits of output row `i` of the last decode (valid until the next one)."""
-        ptr = lc.llama_get_logits_ith(self.ptr, i)
-        if not ptr:
+        addr = _logits_addr(self.ptr, i)
+        if not addr:
             raise EdgespecError(f"internal: no logits for batch row {i}")
-        addr = ctypes.cast(ptr, ctypes.c_void_p).value
-        return np.frombuffer(self._row_type.from_address(addr), dtype=np.float32)
+        # The rows live in one buffer that llama.cpp reallocates only to hold more outputs, so the
+        # same few addresses come back step after step: their views are kept (an address it
+        # returns is a whole row of the current buffer, so a kept view of it is valid now too).
+        v = self._views.get(addr)
+        if v is None:
+            if len(self._views) >= 4096:
+                self._views.clear()
+            v = self._views[addr] = np.frombuffer(self._row_type.from_address(addr), dtype=np.float32)
+        return v
 
     def set_embeddings(self, on: bool) -> None:
         """Also output the post-norm hidden state of every output row (heads draft from it);

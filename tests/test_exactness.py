@@ -176,3 +176,32 @@ def test_probe_finds_the_f16_split_path_and_keeps_q8_0_k_exact(smol):
             ctx.close()
     assert found["f16"][0] == 1 and found["f16"][1] > 0
     assert found["q8_0/f16"] == (32, 0.0)
+
+
+def test_logits_views_stay_true_as_the_output_buffer_grows(smol):
+    """`Context.logits` keeps a view per row address: whatever the last decode's row count (the
+    buffer llama.cpp reallocates to hold more outputs), each row equals the binding's own read."""
+    import ctypes
+
+    import numpy as np
+    from edgespec.kv import KVSeq
+    from edgespec.llama import Context, ContextConfig, lc
+
+    ctx = Context(smol.target, ContextConfig(256, 64, 2, 1, "q8_0/f16"))
+    try:
+        kv = KVSeq(ctx)
+        toks = smol.prompt_tokens(COPY)[:40]
+        n_vocab = smol.target.n_vocab
+
+        def theirs(i):
+            return np.ctypeslib.as_array(ctypes.cast(lc.llama_get_logits_ith(ctx.ptr, i), ctypes.POINTER(ctypes.c_float)),
+                                         shape=(n_vocab,))
+
+        for rows in (1, 24, 1, 40, 3):
+            kv.reset()
+            kv.extend(toks[:rows], all_rows=True)
+            for i in range(rows):
+                mine = ctx.logits(i)
+                assert mine.shape == (n_vocab,) and np.array_equal(mine, theirs(i)), (rows, i)
+    finally:
+        ctx.close()
