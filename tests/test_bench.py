@@ -178,6 +178,17 @@ def test_oracle_ceiling_on_known_cost_curves():
     assert k == 3 and top == pytest.approx(4.0)
 
 
+def test_ceilings_use_the_curve_as_corrected_over_the_whole_run():
+    from edgespec.costmodel import KS, CostModel
+
+    cost = CostModel(KS, tuple(0.01 * (1 + (k - 1) / 4) for k in KS))
+    cost.ratio = [1.0, 0.5]  # as the run's last decodes left it: many rows looked cheap
+    curve = bench_run.run_curve(cost, [(1.0, 1.0), (1.0, 1.2), (1.0, 0.5)])
+    assert curve.ratio == [1.0, pytest.approx(0.9)] and cost.ratio == [1.0, 0.5]
+    assert bench.ceiling(curve, 0)[0] == pytest.approx(bench.ceiling(cost, 0)[0] * 0.5 / 0.9)
+    assert bench_run.run_curve(cost, []) is cost
+
+
 def test_text_ceiling_counts_only_what_the_text_holds():
     from edgespec.costmodel import KS, CostModel, flat
 
