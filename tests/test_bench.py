@@ -215,3 +215,36 @@ def test_text_ceiling_counts_only_what_the_text_holds():
     # at most `limit` rows per verification
     plain, best = bench.text_ceiling(cost, prompt, prompt[:30], limit=4)
     assert best == pytest.approx(8 * 0.01)  # 3 drafted and the bonus token per step: 29 in 8 steps
+
+
+def test_speedup_intervals_and_the_comparison_with_llama_cpp():
+    from edgespec.costmodel import flat
+    from edgespec.frontends.bench.stats import geomean_interval
+
+    # two ratios: Student's t with one degree of freedom on their logarithms
+    lo, hi = geomean_interval([1.0, 1.21])
+    assert (lo, hi) == (pytest.approx(0.3277, abs=1e-3), pytest.approx(3.6926, abs=1e-3))
+    assert geomean_interval([1.1] * 5) == (pytest.approx(1.1), pytest.approx(1.1))  # no spread, no doubt
+    assert geomean_interval([1.1]) is None
+
+    tps = {"none": (100, 90, 110), "lookahead": (130, 120, 150), "llama.cpp:completion": (98, 92, 100),
+           "llama.cpp:lookup": (115, 100, 125)}
+    records = [{"id": pid, "category": cat, "method": m, "repeat": rep, "tokens_per_s": v[rep] * scale}
+               for pid, cat, scale in (("p1", "code", 1.0), ("p2", "rag", 0.8))
+               for m, v in tps.items() for rep in range(3)]
+    rep = bench.summarize(records, ["none", "lookahead", "llama.cpp:lookup", "llama.cpp:completion"], flat(0.01), 100)
+    vs = {(v["method"], v["versus"], v["category"]): v for v in rep["versus_llama_cpp"]}
+    assert set(vs) == {(m, peer, c) for m, peer in (("none", "llama.cpp:completion"), ("lookahead", "llama.cpp:lookup"))
+                       for c in ("code", "rag", "all")}
+    mine = [a / b for a, b in zip(tps["lookahead"], tps["llama.cpp:lookup"])]
+    got = vs[("lookahead", "llama.cpp:lookup", "all")]
+    assert got["runs"] == 6 and got["ratio"] == pytest.approx(bench.geomean(mine), abs=1e-3)
+    assert got["ci"][0] <= got["ratio"] <= got["ci"][1]
+    assert vs[("none", "llama.cpp:completion", "code")]["ratio"] == pytest.approx(
+        bench.geomean([a / b for a, b in zip(tps["none"], tps["llama.cpp:completion"])]), abs=1e-3)
+    row = next(r for r in rep["summary"] if r["method"] == "lookahead" and r["category"] == "all")
+    assert row["speedup_ci"][0] <= row["speedup"] <= row["speedup_ci"][1]
+    table = bench.render_markdown(rep)
+    assert "| 95% interval |" in table
+    assert f"- lookahead / lookup: {got['ratio']:.2f}x ({got['ci'][0]:.2f}-{got['ci'][1]:.2f}) over all; code " in table
+    assert "- none / completion: " in table

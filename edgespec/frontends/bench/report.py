@@ -16,9 +16,9 @@ def render_markdown(report: dict) -> str:
                      f"rows, verifying up to {ex['max_verify_rows']}): {ex['guarantee']}.")
     lines += [
         "",
-        "| method | category | prompts | tok/s | speedup (min-max) | vs own plain | efficiency | acceptance | "
-        "mean acc. len | acc. by position | draft / verify time | draft ms/token (plain step) | output = none |",
-        "|" + "---|" * 13,
+        "| method | category | prompts | tok/s | speedup (min-max) | 95% interval | vs own plain | efficiency | "
+        "acceptance | mean acc. len | acc. by position | draft / verify time | draft ms/token (plain step) | output = none |",
+        "|" + "---|" * 14,
     ]
     for r in report["summary"]:
         sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f})"
@@ -31,8 +31,19 @@ def render_markdown(report: dict) -> str:
         own = "-" if r.get("speedup_own_plain") is None else f"{r['speedup_own_plain']:.2f}x"
         dms = "-" if r.get("draft_ms_per_token") is None else (
             f"{r['draft_ms_per_token']:.2f}" + ("" if r.get("plain_step_ms") is None else f" ({r['plain_step_ms']:.1f})"))
-        lines.append(f"| {r['method']} | {r['category']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {sp} | {own} | {eff} | "
+        ci = "-" if not r.get("speedup_ci") or r["method"] == "none" else _interval(r["speedup_ci"])
+        lines.append(f"| {r['method']} | {r['category']} | {r['prompts']} | {r['tokens_per_s']:.1f} | {sp} | {ci} | {own} | {eff} | "
                      f"{acc} | {mal} | {pos} | {share} | {dms} | {ok} |")
+    vs = report.get("versus_llama_cpp")
+    if vs:
+        lines += ["", "Against llama.cpp's tools on the same prompt and repeat (ours / theirs in tokens/s, "
+                      "geometric mean, 95% interval):"]
+        for m, peer in dict.fromkeys((v["method"], v["versus"]) for v in vs):
+            got = [v for v in vs if v["method"] == m and v["versus"] == peer]
+            total = next((v for v in got if v["category"] == "all"), None)
+            per = ", ".join(f"{v['category']} {_ratio(v)}" for v in got if v["category"] != "all")
+            head = f"{_ratio(total)} over all" if total else ""
+            lines.append(f"- {m} / {peer.split(':', 1)[-1]}: {head}" + (f"; {per}" if per and len(got) > 2 else ""))
     tc = report.get("text_ceiling")
     if tc and tc["speedup"]:
         cats = [c for c in tc["speedup"] if c != "all"]
@@ -48,6 +59,14 @@ def render_markdown(report: dict) -> str:
         lines += ["", f"llama-lookup kept llama-completion's answer (llama.cpp's own plain decoding, same KV cache) "
                       f"in {lx['same']} of {lx['runs']} runs{differ}."]
     return "\n".join(lines)
+
+
+def _interval(ci: list[float]) -> str:
+    return f"{ci[0]:.2f}-{ci[1]:.2f}"
+
+
+def _ratio(v: dict) -> str:
+    return f"{v['ratio']:.2f}x" + (f" ({_interval(v['ci'])})" if v.get("ci") else "")
 
 
 def write_charts(report: dict, records: list[dict], path: Path) -> Path | None:

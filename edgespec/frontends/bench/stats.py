@@ -15,6 +15,57 @@ def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
 
 
+# Student's t, two-sided 95%, by degrees of freedom (1-30); past 30 the normal 1.96 plus a small
+# correction (within 0.3% of the true quantile)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+         2.052, 2.048, 2.045, 2.042)
+
+
+def geomean_interval(xs: list[float]) -> tuple[float, float] | None:
+    """A 95% interval for the geometric mean of ratios (Student's t on their logarithms, each
+    ratio one sample): how far this shared machine's noise leaves the mean uncertain. None with
+    fewer than two ratios."""
+    logs = [math.log(x) for x in xs if x > 0]
+    n = len(logs)
+    if n < 2:
+        return None
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96 + 2.4 / (n - 1)
+    half = t * sd / math.sqrt(n)
+    return math.exp(mean - half), math.exp(mean + half)
+
+
+# What each of our methods is put against among llama.cpp's tools: its plain decoding against
+# llama-completion, any drafting method against llama-lookup
+LLAMA_PEER = {"none": "llama.cpp:completion"}
+LLAMA_DRAFTING = "llama.cpp:lookup"
+
+
+def versus_llama_cpp(records: list[dict], methods: list[str]) -> list[dict]:
+    """Our methods against llama.cpp's tools on the same prompt and repeat: per category and
+    over all, the geometric mean of ours / theirs in tokens/s, with its 95% interval."""
+    theirs = {(r["method"], r["id"], r["repeat"]): r for r in records if r["method"].startswith("llama.cpp:")}
+    if not theirs:
+        return []
+    cats = sorted({r["category"] for r in records})
+    out = []
+    for m in methods:
+        if m.startswith("llama.cpp:"):
+            continue
+        peer = LLAMA_PEER.get(m, LLAMA_DRAFTING)
+        for cat in cats + ["all"]:
+            ratios = [_tps(r) / _tps(theirs[(peer, r["id"], r["repeat"])]) for r in records
+                      if r["method"] == m and (cat == "all" or r["category"] == cat) and _tps(r) > 0
+                      and _tps(theirs.get((peer, r["id"], r["repeat"]), {})) > 0]
+            if ratios:
+                ci = geomean_interval(ratios)
+                out.append({"method": m, "versus": peer, "category": cat, "runs": len(ratios),
+                            "ratio": _r(geomean(ratios)), "ci": [_r(ci[0]), _r(ci[1])] if ci else None})
+    return out
+
+
 def ceiling(cost, n_past: int, max_rows: int = 32, limit: int | None = None) -> tuple[float, int]:
     """Best speedup of an oracle drafter (every draft token accepted) and its draft length;
     `limit`: the rows one verification may decode (default: the probe's bit-exact limit)."""
@@ -100,6 +151,7 @@ def summarize(records: list[dict], methods: list[str], cost, n_past: int, limit:
                 "method": m, "category": cat, "prompts": len(sel),
                 "tokens_per_s": round(geomean([_tps(r) for r in sel]), 1),
                 "speedup": _r(speed), "speedup_min": _r(min(sp) if sp else None), "speedup_max": _r(max(sp) if sp else None),
+                "speedup_ci": _ci(sp),
                 "speedup_own_plain": _r(geomean(osp) if osp else None),
                 "efficiency": _r(speed / top if speed and top > 0 else None),
                 "acceptance_rate": _r(st.acceptance_rate if st.n_drafted else None),
@@ -116,6 +168,9 @@ def summarize(records: list[dict], methods: list[str], cost, n_past: int, limit:
             })
     out = {"summary": rows, "cost_ms": cost.to_dict(),
            "ceiling": {"speedup": round(top, 3), "draft_len": top_k, "n_past": n_past}}
+    vs = versus_llama_cpp(records, methods)
+    if vs:
+        out["versus_llama_cpp"] = vs
     if texts:
         out["text_ceiling"] = _text_ceilings(rows, texts, cost, limit or cost.max_exact_rows)
     checked = [r for r in records if r.get("same_as_own_plain") is not None]
@@ -157,6 +212,11 @@ def _tps(record: dict) -> float:
 
 def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
+
+
+def _ci(ratios: list[float]) -> list[float] | None:
+    ci = geomean_interval(ratios)
+    return [_r(ci[0]), _r(ci[1])] if ci else None
 
 
 def merged(records: list[dict]) -> Stats:
