@@ -60,9 +60,8 @@ def versus_llama_cpp(records: list[dict], methods: list[str]) -> list[dict]:
                       if r["method"] == m and (cat == "all" or r["category"] == cat) and _tps(r) > 0
                       and _tps(theirs.get((peer, r["id"], r["repeat"]), {})) > 0]
             if ratios:
-                ci = geomean_interval(ratios)
                 out.append({"method": m, "versus": peer, "category": cat, "runs": len(ratios),
-                            "ratio": _r(geomean(ratios)), "ci": [_r(ci[0]), _r(ci[1])] if ci else None})
+                            "ratio": _r(geomean(ratios)), "ci": _ci(ratios)})
     return out
 
 
