@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import json
+import math
 import os
 import platform
 import time
@@ -20,6 +21,9 @@ from .llama import Context
 log = logging.getLogger(__name__)
 
 KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+FAR = 1.3  # an online correction outside [1/FAR, FAR] after MIN_EVIDENCE decodes: the curve is measured again
+MIN_EVIDENCE = 24
+QUIET_SHARE = 0.8  # a measurement that had less of its threads' CPU time than this was disturbed
 _TABLE = 66  # row counts with a precomputed prediction (a verification is at most 32 + pending)
 
 
@@ -37,7 +41,7 @@ class CostModel:
     attn: float = 0.0  # extra seconds per row per cached token beyond n0
     n0: int = 32
     # Largest batch whose logits are bit-identical to one-row decodes on this build and model
-    # (see probe_exact_rows); verification never uses more rows, so greedy stays exact.
+    # (see probe_exactness); verification never uses more rows, so greedy stays exact.
     max_exact_rows: int = 1 << 30
     online: bool = True  # corrected by measured decodes; off for a curve that stands for another machine
     # Largest |logit difference| between batched rows and one-row decodes over the probe's batch
@@ -58,6 +62,15 @@ class CostModel:
         # per count, 1.71.
         self.shape = [1.0] * _TABLE
         self._seen = [0] * _TABLE
+        self.n_obs = [0, 0]  # decodes folded in, one-row and many-row
+        # The attention term, checked: per one-row / many-row decodes, the mean log of
+        # measured/predicted where attention is a small part of the prediction and where it is a
+        # large one. A right term leaves both near each other whatever the level; a wrong one
+        # (measured on a busy machine: 10x here) pulls them apart.
+        self._attn_obs = [[0.0, 0, 0.0, 0], [0.0, 0, 0.0, 0]]  # [near sum, near n, far sum, far n]
+        self.share: float | None = None  # the CPU share the measurement had (see measure); None: unknown
+        self.origin: tuple[str, str] | None = None  # (cache file, key) it was read from or written to
+        self.measured_at = 0.0  # when it was measured (time.time(); 0.0: not recorded)
         # predict(k, 0) per row count, so that sizing a draft (every step) interpolates nothing
         self._base = [self.predict(k) for k in range(_TABLE)]
 
@@ -95,11 +108,69 @@ class CostModel:
         r = min(3.0, max(0.33, seconds / pred))
         b = 0 if k <= 1 else 1
         self.ratio[b] = 0.95 * self.ratio[b] + 0.05 * r
+        self.n_obs[b] += 1
+        if predicted is None and n_past > self.n0:
+            frac = (self.attn0 + self.attn * k) * (n_past - self.n0) / pred  # attention's part of it
+            if frac < 0.15 or frac > 0.35:
+                a = self._attn_obs[b]
+                i = 0 if frac < 0.15 else 2
+                a[i] += math.log(r)
+                a[i + 1] += 1
         if predicted is None and 1 < k < _TABLE:  # one sequence's rows: the shape at k
             n = self._seen[k]
             w = max(0.1, 1.0 / (n + 3))  # the curve's own value weighs as two measurements
             self.shape[k] = (1 - w) * self.shape[k] + w * min(3.0, max(0.33, r / self.ratio[1]))
             self._seen[k] = n + 1
+
+    # -- healing: what the online correction learned, kept across processes ---------------
+
+    def online_state(self) -> dict:
+        """What the online correction learned (level, shape per row count, the attention check):
+        written back beside the curve, so the next process starts from it."""
+        seen = {k: n for k, n in enumerate(self._seen) if n}
+        return {"ratio": list(self.ratio), "n_obs": list(self.n_obs),
+                "shape": {str(k): self.shape[k] for k in seen}, "seen": {str(k): n for k, n in seen.items()},
+                "attn_obs": [list(a) for a in self._attn_obs]}
+
+    def restore_online(self, d: dict) -> None:
+        try:
+            ratio = [float(x) for x in d["ratio"]][:2]
+            shape = {int(k): float(v) for k, v in d.get("shape", {}).items() if 1 < int(k) < _TABLE}
+            seen = {int(k): int(v) for k, v in d.get("seen", {}).items() if 1 < int(k) < _TABLE}
+            n_obs = [int(x) for x in d.get("n_obs", [0, 0])][:2]
+            attn = [[float(a[0]), int(a[1]), float(a[2]), int(a[3])] for a in d.get("attn_obs", [])][:2]
+        except (KeyError, TypeError, ValueError):
+            return  # a record this version cannot read: start from the curve alone
+        if len(ratio) == 2 and all(0.3 <= r <= 3.5 for r in ratio):
+            self.ratio = ratio
+            self.n_obs = n_obs if len(n_obs) == 2 else [0, 0]
+            for k, v in shape.items():
+                self.shape[k] = min(3.0, max(0.33, v))
+                self._seen[k] = seen.get(k, 1)
+            if len(attn) == 2:
+                self._attn_obs = attn
+
+    def far_off(self) -> str:
+        """Why this curve should be measured again ('' when it holds): its online corrections
+        stayed far from 1 over many decodes, or its attention term disagrees with them, or it
+        was measured while other work took the CPU."""
+        lo, hi = 1 / FAR, FAR
+        names = ("one-row", "many-row")
+        for b in (0, 1):
+            if self.n_obs[b] >= MIN_EVIDENCE and not lo <= self.ratio[b] <= hi:
+                return f"{names[b]} decodes ran {self.ratio[b]:.2f}x the curve over {self.n_obs[b]} decodes"
+        for k in range(2, _TABLE):
+            if self._seen[k] >= MIN_EVIDENCE and not lo <= self.shape[k] <= hi:
+                return f"{k}-row decodes ran {self.shape[k]:.2f}x the curve's shape over {self._seen[k]} decodes"
+        for b in (0, 1):
+            near, n_near, far, n_far = self._attn_obs[b]
+            if n_near >= MIN_EVIDENCE // 2 and n_far >= MIN_EVIDENCE // 2:
+                gap = math.exp(far / n_far - near / n_near)
+                if not lo <= gap <= hi:
+                    return f"the attention term is off: long-context {names[b]} decodes ran {gap:.2f}x short ones"
+        if self.share is not None and self.share < QUIET_SHARE:
+            return f"measured while other work took the CPU (it had {self.share:.0%} of its threads' time)"
+        return ""
 
     def best_size(self, probs: list[float], fixed_rows: int = 1, per_node: float = 0.0, margin: float = 0.02,
                   n_past: int = 0) -> int:
@@ -128,13 +199,16 @@ class CostModel:
         return {"k": list(self.ks), "ms": [round(t * 1e3, 3) for t in self.ts],
                 "attn_us_per_row_per_token": round(self.attn * 1e6, 5),
                 "attn0_us_per_token": round(self.attn0 * 1e6, 5), "n0": self.n0,
-                "max_exact_rows": self.max_exact_rows, "batch_logit_diff": self.batch_logit_diff}
+                "max_exact_rows": self.max_exact_rows, "batch_logit_diff": self.batch_logit_diff,
+                "cpu_share": self.share}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
-        return cls(tuple(d["k"]), tuple(t / 1e3 for t in d["ms"]), d["attn_us_per_row_per_token"] / 1e6, d["n0"],
-                   d["max_exact_rows"], batch_logit_diff=d.get("batch_logit_diff"),
-                   attn0=d.get("attn0_us_per_token", 0.0) / 1e6)
+        cm = cls(tuple(d["k"]), tuple(t / 1e3 for t in d["ms"]), d["attn_us_per_row_per_token"] / 1e6, d["n0"],
+                 d["max_exact_rows"], batch_logit_diff=d.get("batch_logit_diff"),
+                 attn0=d.get("attn0_us_per_token", 0.0) / 1e6)
+        cm.share = d.get("cpu_share")
+        return cm
 
 
 def flat(seconds: float = 0.01, max_exact_rows: int = 1 << 30, batch_logit_diff: float | None = None) -> CostModel:
@@ -189,47 +263,87 @@ def _key(ctx: Context, n_gpu_layers: int, tag: str = "") -> str:
 
 
 def measure(ctx: Context, kv, reps: int = 5) -> CostModel:
-    """Time decodes of k rows (logits on every row, as verification needs) on an empty cache."""
+    """The cost curve and the exactness probe, measured now (see measure_curve, probe_exactness)."""
+    cm = measure_curve(ctx, kv, reps)
+    cm.max_exact_rows, cm.batch_logit_diff = probe_exactness(ctx, kv)
+    return cm
+
+
+def measure_curve(ctx: Context, kv, reps: int = 5, attempts: int = 3, pause: float = 1.0,
+                  budget: float = 20.0) -> CostModel:
+    """Time decodes of k rows (logits on every row, as verification needs), so that a busy
+    machine cannot fool it: the sizes interleaved and repeated (a burst of load elsewhere hits
+    every size alike), the fastest of each kept (what a quiet machine shows), the CPU time our
+    threads actually got counted against the wall time (another program taking the cores shows
+    as a share below 1), and the whole measured again, up to `attempts` times, while that share
+    is low or the curve is inconsistent (its attention term measured at two context lengths
+    disagrees), as long as the measurement has taken less than `budget` seconds (on a machine
+    that stays busy it is measured again later: see `CostModel.far_off`). Every attempt's
+    fastest time per size is kept."""
     tok = ctx.model.bos if ctx.model.bos >= 0 else 0
     prefix = min(32, ctx.n_ctx // 4)  # a short context, so attention is not free
     ks = tuple(k for k in KS if k <= ctx.n_batch and prefix + k <= ctx.n_ctx)
-    kv.reset()
-    kv.extend([tok] * prefix, want_logits=False)
+    threads = max(1, ctx.n_threads)
+    clock = {"wall": 0.0, "cpu": 0.0}
 
     def timed(k: int) -> float:
         base = kv.n
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         kv.extend([tok] * k, all_rows=True)
         dt = time.perf_counter() - t0
+        clock["cpu"] += time.process_time() - c0
+        clock["wall"] += dt
         kv.truncate(base)
         return dt
 
-    # Repetitions interleave the sizes, so a burst of load elsewhere hits all sizes alike.
     best = {k: float("inf") for k in ks}
-    timed(ks[-1])  # warm-up
-    for _ in range(reps):
-        for k in ks:
-            best[k] = min(best[k], timed(k))
-    ts = [best[k] for k in ks]
-    # The attention term: one row and eight again after a long context, interleaved as above.
-    # Extra time per cached token is attn0 + attn * k; two sizes give both.
+    # The attention term: one row and eight again after a mid and a long context. Extra time per
+    # cached token is attn0 + attn * k; two sizes give both, two lengths check them.
     long_n = min(1024, ctx.n_ctx - 16)
-    attn = attn0 = 0.0
-    if long_n > 4 * prefix and 8 in best:
-        kv.extend([tok] * (long_n - prefix), want_logits=False)
-        far = {1: float("inf"), 8: float("inf")}
+    lengths = (prefix + (long_n - prefix) // 2, long_n) if long_n > 4 * prefix and 8 in best else ()
+    far = {n: {1: float("inf"), 8: float("inf")} for n in lengths}
+    share, attn, attn0 = 1.0, 0.0, 0.0
+    started = time.perf_counter()
+    for attempt in range(attempts):
+        if attempt:
+            if time.perf_counter() - started > budget:
+                break
+            time.sleep(pause)
+        clock["wall"] = clock["cpu"] = 0.0
+        kv.reset()
+        kv.extend([tok] * prefix, want_logits=False)
+        timed(ks[-1])  # warm-up
+        clock["wall"] = clock["cpu"] = 0.0
         for _ in range(reps):
-            for k in far:
-                far[k] = min(far[k], timed(k))
-        per = {k: max(0.0, far[k] - best[k]) / (long_n - prefix) for k in far}  # per cached token
-        attn = max(0.0, (per[8] - per[1]) / 7)
-        attn0 = max(0.0, per[1] - attn)
+            for k in ks:
+                best[k] = min(best[k], timed(k))
+        for n in lengths:
+            kv.extend([tok] * (n - kv.n), want_logits=False)
+            for _ in range(reps):
+                for k in far[n]:
+                    far[n][k] = min(far[n][k], timed(k))
+        share = min(1.0, clock["cpu"] / (clock["wall"] * threads)) if clock["wall"] > 0 else 1.0
+        consistent = True
+        if lengths:
+            per = {n: {k: max(0.0, far[n][k] - best[k]) / (n - prefix) for k in (1, 8)} for n in lengths}
+            a1 = {n: max(0.0, (per[n][8] - per[n][1]) / 7) for n in lengths}
+            a0 = {n: max(0.0, per[n][1] - a1[n]) for n in lengths}
+            mid, long_ = lengths
+            attn, attn0 = a1[long_], a0[long_]
+            # per cached token, the mid and the long context must agree (attention is linear in it)
+            tot = {n: a0[n] + 8 * a1[n] for n in lengths}
+            consistent = tot[long_] <= 1.5 * tot[mid] + 2e-7 and tot[mid] <= 1.5 * tot[long_] + 2e-7
+        log.debug("cost curve attempt %d: CPU share %.2f, attention consistent %s", attempt + 1, share, consistent)
+        if share >= QUIET_SHARE and consistent:
+            break
     kv.reset()
+    ts = [best[k] for k in ks]
     # Costs are monotone in k; noise on a shared machine is not.
     for i in range(1, len(ts)):
         ts[i] = max(ts[i], ts[i - 1])
-    limit, diff = probe_exactness(ctx, kv)
-    return CostModel(ks, tuple(ts), attn, prefix, limit, batch_logit_diff=diff, attn0=attn0)
+    cm = CostModel(ks, tuple(ts), attn, prefix, attn0=attn0)
+    cm.share = round(share, 3)
+    return cm
 
 
 PROBE_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
@@ -293,32 +407,30 @@ def probe_exactness(ctx: Context, kv, seed: int = 1234) -> tuple[int, float]:
     return limit, worst
 
 
-def probe_exact_rows(ctx: Context, kv, seed: int = 1234) -> int:
-    """The largest batch size bit-identical to one-row decodes (see `probe_exactness`)."""
-    return probe_exactness(ctx, kv, seed)[0]
+CURVE_VERSION = 3  # records of an older curve version keep their probe; their curve is measured again
+HEAL_RETRY_S = 600.0  # a curve measured while other work took the CPU is measured again after this long
 
 
-def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layers: int = 0,
-                    quiet: bool = True, tag: str = "", force: bool = False) -> CostModel:
-    """The cost curve for this model and setup (`tag`: what else sets it apart, e.g. the RPC
-    servers), measured once and cached in `cache_file`; `force`: measured again, replacing the
-    cached one (`edgespec doctor --remeasure`)."""
-    key = _key(ctx, n_gpu_layers, tag)
-    data: dict = {}
+def due(cm: "CostModel") -> str:
+    """Why `cm` should be measured again now ('' if not): it proved far off (see
+    CostModel.far_off); one that was itself measured on a busy machine waits HEAL_RETRY_S
+    from then, so that a machine that stays busy is not measured at every load."""
+    why = cm.far_off()
+    if why and (cm.share or 0.0) < QUIET_SHARE and time.time() - cm.measured_at < HEAL_RETRY_S:
+        return ""
+    return why
+
+
+def _read(cache_file: str | os.PathLike) -> dict:
     try:
         with open(cache_file) as f:
             data = json.load(f)
-        rec = data.get(key)
-        if rec and rec.get("probe") == PROBE_VERSION and not force:
-            return CostModel.from_dict(rec)
-    except (OSError, ValueError, KeyError, TypeError):
-        data = {}
-    # none yet, or one from an older version (no attention intercept, no long-context probe)
-    if not quiet:
-        log.info("measuring what verifying k tokens costs on this machine (%s, %d threads; once, then cached)",
-                 ctx.model.path.name, ctx.n_threads, extra={"progress": True})
-    cm = measure(ctx, kv)
-    data[key] = {**cm.to_dict(), "probe": PROBE_VERSION}
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(cache_file: str | os.PathLike, data: dict) -> None:
     try:
         os.makedirs(os.path.dirname(cache_file), exist_ok=True)
         tmp = f"{cache_file}.tmp-{os.getpid()}"
@@ -327,4 +439,82 @@ def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layer
         os.replace(tmp, cache_file)
     except OSError:
         pass
+
+
+def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layers: int = 0,
+                    quiet: bool = True, tag: str = "", force: bool = False) -> CostModel:
+    """The cost curve for this model and setup (`tag`: what else sets it apart, e.g. the RPC
+    servers), measured once and cached in `cache_file` with what the online correction learned
+    since (see `persist`); a cached curve that should be measured again (`CostModel.far_off`)
+    is, here, before any generation (see `heal`). `force`: the curve and the exactness probe
+    measured again, replacing the cached ones (`edgespec doctor --remeasure`)."""
+    key = _key(ctx, n_gpu_layers, tag)
+    rec = _read(cache_file).get(key)
+    if isinstance(rec, dict) and rec.get("probe") == PROBE_VERSION and not force:
+        try:
+            cm = CostModel.from_dict(rec)
+        except (KeyError, TypeError, ValueError, IndexError):
+            cm = None
+        if cm is not None:
+            cm.restore_online(rec.get("online") or {})
+            cm.origin = (str(cache_file), key)
+            cm.measured_at = float(rec.get("measured_at", 0.0))
+            why = "measured by an older version" if rec.get("curve") != CURVE_VERSION else due(cm)
+            return heal(ctx, kv, cm, why, quiet) if why else cm
+    # none yet, or one from an older probe version (no attention intercept, no long-context probe)
+    if not quiet:
+        log.info("measuring what verifying k tokens costs on this machine (%s, %d threads; once, then cached)",
+                 ctx.model.path.name, ctx.n_threads, extra={"progress": True})
+    cm = measure(ctx, kv)
+    cm.origin, cm.measured_at = (str(cache_file), key), time.time()
+    _store(cm)
     return cm
+
+
+def _store(cm: CostModel) -> None:
+    """Write `cm` (curve, probe, online state) as the record it came from."""
+    if cm.origin is None:
+        return
+    file, key = cm.origin
+    data = _read(file)
+    data[key] = {**cm.to_dict(), "probe": PROBE_VERSION, "curve": CURVE_VERSION, "online": cm.online_state(),
+                 "measured_at": cm.measured_at}
+    _write(file, data)
+
+
+def persist(cm: CostModel | None) -> None:
+    """Write back what the online correction learned (level, shape, attention check), so that
+    the next process (each `edgespec run` is one) starts from it rather than from the curve."""
+    if cm is None or cm.origin is None or not cm.online or not any(cm.n_obs):
+        return
+    file, key = cm.origin
+    data = _read(file)
+    rec = data.get(key)
+    if isinstance(rec, dict):
+        rec["online"] = cm.online_state()
+        _write(file, data)
+
+
+def heal(ctx: Context, kv, cm: CostModel, why: str, quiet: bool = True) -> CostModel:
+    """Measure the curve of `cm` again (never during a generation: this resets `kv`'s cache) and
+    return the one to use from now on, written back. A measurement that had the CPU to itself
+    replaces the old curve; one disturbed too keeps, per size, the faster of the two (load only
+    ever slows a decode down) and is tried again HEAL_RETRY_S later. The probe is kept."""
+    if not quiet:
+        log.info("%s: the cost curve is measured again (%s)", ctx.model.path.name, why, extra={"progress": True})
+    new = measure_curve(ctx, kv)
+    new.max_exact_rows, new.batch_logit_diff = cm.max_exact_rows, cm.batch_logit_diff
+    new.origin = cm.origin
+    new.online = cm.online
+    if (new.share or 0.0) < QUIET_SHARE and cm.ks == new.ks:
+        faster = tuple(min(a, b) for a, b in zip(cm.ts, new.ts))
+        keep_new = new.attn0 + 8 * new.attn <= cm.attn0 + 8 * cm.attn
+        merged = CostModel(new.ks, faster, new.attn if keep_new else cm.attn, new.n0, new.max_exact_rows,
+                           new.online, new.batch_logit_diff, new.attn0 if keep_new else cm.attn0)
+        merged.share, merged.origin = new.share, new.origin
+        new = merged
+    new.measured_at = time.time()
+    _store(new)
+    return new
+
+

@@ -98,6 +98,25 @@ class Engine:
         self.cost = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet,
                                     tag=",".join(cfg.rpc), force=True)
 
+    def heal_cost(self, quiet: bool = True) -> list[str]:
+        """Between generations (never during one: this resets the KV caches): measure again each
+        cost curve whose online corrections stayed far from 1 (see costmodel.heal), and write back
+        what the corrections learned. Returns why each curve was measured again."""
+        from .costmodel import due, heal, persist
+
+        healed = []
+        for attr, ctx, kv in (("cost", self.ctx, self.kv), ("draft_cost", self.draft_ctx, self.draft_kv)):
+            cm = getattr(self, attr, None)
+            if cm is None or ctx is None:
+                continue
+            why = due(cm)
+            if why:
+                setattr(self, attr, heal(ctx, kv, cm, why, quiet))
+                healed.append(why)
+            else:
+                persist(cm)
+        return healed
+
     def _devices(self) -> tuple[list[int] | None, list[int] | None]:
         """Devices for the target and the draft model: with --rpc the target offloads to those
         servers (and this machine's GPUs), the draft model only to this machine's GPUs unless
@@ -296,8 +315,12 @@ class Engine:
         return ContextConfig(c.n_ctx, c.n_batch, c.threads, max(1, c.max_branches), c.kv_type)
 
     def close(self) -> None:
+        from .costmodel import persist
         from .drafters.eagle3 import release as release_eagle3
         from .drafters.mtp import release
+
+        persist(getattr(self, "cost", None))  # what the online correction learned, for the next process
+        persist(getattr(self, "draft_cost", None))
 
         release(self)  # the MTP context runs on the target model: free it first
         release_eagle3(self)  # the EAGLE-3 draft context reads the target's context (ctx_other)

@@ -1,6 +1,30 @@
 """Fixtures on the real embedded models, fetched into the edgespec cache on first use."""
 
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
+
+
+def _own_cache() -> None:
+    """The tests' own edgespec cache: nothing a test measures (cost curves, heads, lookahead
+    caches) reaches the user's. Downloads are shared: the models and suites folders are the
+    user's, linked (their files are only ever written whole, under a temporary name)."""
+    from edgespec.models import cache_root
+
+    real = cache_root()
+    own = Path(tempfile.mkdtemp(prefix="edgespec-test-cache-"))
+    for shared in ("models", "suites"):
+        (real / shared).mkdir(parents=True, exist_ok=True)
+        os.symlink(real / shared, own / shared)
+    os.environ["EDGESPEC_CACHE"] = str(own)
+    atexit.register(shutil.rmtree, own, True)
+
+
+_own_cache()
 
 from edgespec.costmodel import flat
 from edgespec.engine import Engine, EngineConfig

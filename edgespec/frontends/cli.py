@@ -379,6 +379,7 @@ def cmd_run(a) -> int:
         sys.stdout.flush()
         print(f"[{a.spec}{' (' + used + ')' if used != a.spec else ''}] {st.summary()}"
               f"{' - stopped' if interrupted else ''}", file=sys.stderr)
+    engine.close()  # writes back what the cost curve's online correction learned, for the next run
     return EXIT_INTERRUPTED if interrupted else 0
 
 

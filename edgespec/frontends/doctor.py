@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from .. import __version__
+from ..costmodel import QUIET_SHARE
 
 
 def report(engine) -> dict:
@@ -24,6 +25,8 @@ def report(engine) -> dict:
         "offloaded_layers": offloaded if engine.on_gpu else 0, "threads": engine.ctx.n_threads,
         "kv_type": cfg.kv_type, "context": engine.n_ctx_seq,
         "cost": engine.cost.to_dict(), "exactness": engine.exactness_info(),
+        "cost_online": {"ratio": [round(r, 3) for r in engine.cost.ratio], "decodes": list(engine.cost.n_obs),
+                        "far_off": engine.cost.far_off()},
         "methods": methods.available(engine), "auto": methods.auto_members(engine),
     }
 
@@ -62,6 +65,13 @@ def run_doctor(a, cfg) -> int:
     print(f"cost of verifying k rows (ms, at {c['n0']} tokens of context): {curve}")
     print(f"  attention: {c.get('attn0_us_per_token', 0.0):.4f} us per cached token plus "
           f"{c['attn_us_per_row_per_token']:.4f} us per row per cached token")
+    share, on = c.get("cpu_share"), r["cost_online"]
+    quiet = "not recorded (an older version measured it)" if share is None else (
+        f"{share:.0%} of its threads' CPU time" + (" (quiet)" if share >= QUIET_SHARE else
+                                                   " (other work took the CPU: it will be measured again)"))
+    print(f"  measured with {quiet}; since then decodes ran {on['ratio'][0]:.2f}x (one row) and "
+          f"{on['ratio'][1]:.2f}x (many rows) the curve over {on['decodes'][0]} + {on['decodes'][1]} decodes"
+          + (f"; to be measured again: {on['far_off']}" if on["far_off"] else ""))
     diff = ex["batch_logit_diff"]
     print(f"exactness probe: batches bit-identical to one-row decodes up to {ex['max_exact_rows']} rows; largest "
           f"|delta logit| at 2-32 rows: {'not measured' if diff is None else f'{diff:.3g}'}")

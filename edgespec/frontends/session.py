@@ -107,4 +107,7 @@ class ChatSession:
         # a stopped reply is kept: the user sees it, and the next turn builds on it
         self.messages.append({"role": "assistant", "content": reply.text})
         self.total.merge(gen.stats)
+        # between turns: a cost curve that proved far off is measured again, else what its online
+        # correction learned is written back (costmodel.heal, costmodel.persist)
+        self.engine.heal_cost()
         return reply
