@@ -182,10 +182,12 @@ def guarantee(policy: str, cost: CostModel) -> str:
 
 
 def _key(ctx: Context, n_gpu_layers: int, tag: str = "") -> str:
+    from .llama import kernel_tag
+
     p = ctx.model.path
     st = p.stat()
     return (f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|t{ctx.n_threads}|ngl{n_gpu_layers}|kv{ctx.cfg.kv_type}"
-            f"|{platform.node()}" + (f"|rpc{tag}" if tag else ""))
+            f"|{platform.node()}" + (f"|rpc{tag}" if tag else "") + kernel_tag(ctx.model))
 
 
 def measure(ctx: Context, kv, reps: int = 5) -> CostModel:

@@ -63,7 +63,9 @@ def run_doctor(a, cfg) -> int:
     print(f"  attention: {c.get('attn0_us_per_token', 0.0):.4f} us per cached token plus "
           f"{c['attn_us_per_row_per_token']:.4f} us per row per cached token")
     diff = ex["batch_logit_diff"]
-    print(f"exactness probe: batches bit-identical to one-row decodes up to {ex['max_exact_rows']} rows; largest "
+    kern = (" (K-quant kernels: per-row at every batch size, weights not repacked)"
+            if ex.get("kernels") == "per-row" else "")
+    print(f"exactness probe{kern}: batches bit-identical to one-row decodes up to {ex['max_exact_rows']} rows; largest "
           f"|delta logit| at 2-32 rows: {'not measured' if diff is None else f'{diff:.3g}'}")
     print(f"policy: {ex['policy']} (--exactness {ex['requested']}), verifying up to {ex['max_verify_rows']} rows: "
           f"{ex['guarantee']}")
