@@ -76,7 +76,8 @@ def use_exact_kernels() -> bool:
 
 def kernel_tag(model: "Model") -> str:
     """What sets the CPU kernels of this model apart, for the cost cache's key."""
-    return ("" if model.repack else "|norepack") + (f"|tiled{os.environ[TILED_ENV]}" if TILED_ENV in os.environ else "")
+    tiled = TILED_ENV in os.environ and model.info.types & BATCH_DEPENDENT_TYPES
+    return ("" if model.repack else "|norepack") + (f"|tiled{os.environ[TILED_ENV]}" if tiled else "")
 
 
 def last_log_error() -> str:

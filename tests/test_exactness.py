@@ -212,8 +212,9 @@ import json, sys
 import numpy as np
 from edgespec.engine import Engine, EngineConfig
 
-path, exactness = sys.argv[1], sys.argv[2]
-eng = Engine(EngineConfig(model=path, n_ctx=1024, threads=2, max_branches=1, exactness=exactness))
+path, exactness, exact_kernels = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+eng = Engine(EngineConfig(model=path, n_ctx=1024, threads=2, max_branches=1, exactness=exactness,
+                          exact_kernels=exact_kernels))
 info = eng.exactness_info()
 kv, ctx = eng.kv, eng.ctx
 rng = np.random.default_rng(5)
@@ -230,10 +231,10 @@ print(json.dumps({**info, "same": same}))
 """
 
 
-def _kquant_engine(model, exactness, cache):
+def _kquant_engine(model, exactness, exact_kernels, cache):
     """The exactness info of an engine on `model` (a process of its own: llama.cpp reads its CPU
     kernel switch once per process) and whether batches of n rows equal one-row decodes."""
-    r = subprocess.run([sys.executable, "-c", _KQUANT_CHILD, str(model), exactness], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", _KQUANT_CHILD, str(model), exactness, str(int(exact_kernels))], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "EDGESPEC_CACHE": str(cache)})
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
@@ -251,18 +252,23 @@ def tiny_q4_k(tmp_path_factory):
 
 
 def test_kquant_probe_and_policy_agree(tiny_q4_k, tmp_path):
-    """A Q4_K_M model on this CPU: under strict exactness the engine takes the per-row kernels and
-    its probe reads at least 16 exact rows; with the default kernels (batched) the probe reads the
-    repacked GEMM's limit. Either way the probe is the truth (a batch of the probed size equals
-    one-row decodes, the next size does not) and strict verifies no more rows than it found."""
-    strict = _kquant_engine(tiny_q4_k, "auto", tmp_path)
+    """A Q4_K_M model on this CPU: with --exact-kernels under strict exactness the engine takes the
+    per-row kernels and its probe reads at least 16 exact rows; with the default kernels the probe
+    reads the repacked GEMM's limit. Either way the probe is the truth (a batch of the probed size
+    equals one-row decodes, the next size does not) and strict verifies no more rows than it found."""
+    strict = _kquant_engine(tiny_q4_k, "auto", True, tmp_path)
     assert strict["policy"] == "strict" and strict["kernels"] == "per-row"
     assert strict["max_exact_rows"] >= 16 and strict["max_verify_rows"] == strict["max_exact_rows"]
     assert all(ok for n, ok in strict["same"].items() if n <= strict["max_exact_rows"])
 
-    fast = _kquant_engine(tiny_q4_k, "batched", tmp_path)
-    assert fast["policy"] == "batched" and fast["kernels"] == "default"
-    cap = fast["max_exact_rows"]
-    assert cap < 16  # the repacked Q4_K GEMM (4 rows and more) differs from its one-row GEMV
-    assert all(ok for n, ok in fast["same"].items() if n <= cap)
-    assert not fast["same"][min(n for n in fast["same"] if n > cap)]
+    for requested, kernels in (("auto", False), ("batched", True)):  # batched keeps the default kernels
+        fast = _kquant_engine(tiny_q4_k, requested, kernels, tmp_path)
+        assert fast["kernels"] == "default"
+        cap = fast["max_exact_rows"]
+        assert cap < 16  # the repacked Q4_K GEMM (4 rows and more) differs from its one-row GEMV
+        assert all(ok for n, ok in fast["same"].items() if n <= cap)
+        assert not fast["same"][min(n for n in fast["same"] if n > cap)]
+        if requested == "auto":
+            assert fast["policy"] == "strict" and fast["max_verify_rows"] == cap
+        else:
+            assert fast["policy"] == "batched" and fast["max_verify_rows"] > cap

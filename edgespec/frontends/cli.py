@@ -45,6 +45,10 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smo
                         "(greedy output identical to plain); batched: verify in batches anyway, taking the backend's "
                         "batched numerics as the model's (the distribution exact, greedy equal except at near-ties); "
                         "auto: strict on a CPU, batched on a GPU whose batches are exact below 4 rows (default: auto)")
+    g.add_argument("--exact-kernels", action="store_true",
+                   help="K-quant models (Q4_K_M...) on a CPU under strict exactness: llama.cpp's per-row kernel at "
+                        "every batch size (weights not repacked, tiled K-quant matmul off), so verification stays "
+                        "bit-exact to 32 rows instead of 3; a plain step costs about 1.5x (docs/exactness.md)")
 
 
 def _kv_arg(text: str) -> str:
@@ -290,7 +294,7 @@ def _engine_config(a):
         model=a.model, draft=_draft_spec(a), n_ctx=a.n_ctx, threads=a.threads, threads_draft=a.threads_draft,
         n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngld, draft_n_max=a.draft_n_max, draft_n_min=a.draft_n_min,
         draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=kv_setting(a),
-        exactness=a.exactness, rpc=_endpoints(getattr(a, "rpc", None)),
+        exactness=a.exactness, exact_kernels=getattr(a, "exact_kernels", False), rpc=_endpoints(getattr(a, "rpc", None)),
         rpc_draft=_endpoints(getattr(a, "rpc_draft", None)),
         # chains need one sequence; only trees borrow more (and a multi-sequence cache costs a little)
         max_branches=8 if methods.get(getattr(a, "spec", "auto")).trees else 1,
