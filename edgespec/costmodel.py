@@ -256,10 +256,12 @@ def guarantee(policy: str, cost: CostModel) -> str:
 
 
 def _key(ctx: Context, n_gpu_layers: int, tag: str = "") -> str:
+    from .llama import kernel_tag
+
     p = ctx.model.path
     st = p.stat()
     return (f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|t{ctx.n_threads}|ngl{n_gpu_layers}|kv{ctx.cfg.kv_type}"
-            f"|{platform.node()}" + (f"|rpc{tag}" if tag else ""))
+            f"|{platform.node()}" + (f"|rpc{tag}" if tag else "") + kernel_tag(ctx.model))
 
 
 def measure(ctx: Context, kv, reps: int = 5) -> CostModel:
@@ -355,8 +357,9 @@ def probe_exactness(ctx: Context, kv, seed: int = 1234) -> tuple[int, float]:
     """The largest batch size whose every row's logits equal those of one-row decodes, and the
     largest |difference| seen at any probed size.
 
-    Some CPU kernels process several rows together with another summation order (Q4_K weights
-    go through 4-row GEMM tiles here), and GPU backends typically run one row through
+    Some CPU kernels process several rows together with another summation order (repacked Q4_K
+    weights go through a 4-row GEMM, other K-quants through a tiled kernel from 8 rows, unless the
+    engine takes the per-row kernels: docs/exactness.md), and GPU backends typically run one row through
     matrix-vector kernels and batches through matrix-matrix ones, so a batched verification can
     differ from plain decoding in the last bits and flip a near-tie. Greedy speculation is only
     bit-exact up to the first size; the difference is the near-tie margin beyond it.

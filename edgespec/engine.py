@@ -16,7 +16,7 @@ from .drafters.base import Drafter, NullDrafter
 from .errors import EdgespecError
 from .kv import KVSeq
 from .lifecycle import Lifecycle
-from .llama import Context, ContextConfig, Model, kv_paths_agree
+from .llama import Context, ContextConfig, Model, batch_dependent, kv_paths_agree, use_exact_kernels
 from .sampling import SamplingConfig
 from .schedulers.sequential import Generation
 
@@ -42,6 +42,8 @@ class EngineConfig:
     pearl_gamma: int = 4
     heads: str | None = None  # a heads file (--heads): Medusa or EAGLE
     exactness: str = "auto"  # auto | strict | batched (see costmodel.resolve_policy)
+    # K-quant weights on a CPU under strict: per-row kernels at every batch size (docs/exactness.md)
+    exact_kernels: bool = False
     rpc: tuple[str, ...] = ()  # llama.cpp RPC servers (HOST:PORT) for the target's offloaded layers
     rpc_draft: tuple[str, ...] = ()  # and for the draft model's (default: the draft stays here)
 
@@ -54,8 +56,14 @@ class Engine:
 
         self.cfg = cfg
         target_devs, draft_devs = self._devices()
+        path = resolve(cfg.model, quiet=quiet)
+        # K-quant weights on a CPU (--exact-kernels): the kernels whose rows do not depend on the
+        # batch, so that verifying up to 32 rows stays bit-identical to plain decoding, at ~1.5x
+        # the plain step (docs/exactness.md)
+        self.exact_kernels = self._wants_exact_kernels(path) and use_exact_kernels()
         # nextn (MTP) layers, where the model has them, are loaded for --spec mtp (one layer more)
-        self.target = Model(resolve(cfg.model, quiet=quiet), cfg.n_gpu_layers, load_mtp=True, devices=target_devs)
+        self.target = Model(path, cfg.n_gpu_layers, load_mtp=True, devices=target_devs,
+                            repack=not self.exact_kernels)
         self.ctx = Context(self.target, self._single_config())
         self.kv = KVSeq(self.ctx)
         self.n_ctx_seq = self.ctx.n_ctx  # tokens per sequence (-c, capped by the model's training length)
@@ -136,6 +144,15 @@ class Engine:
 
     # -- exactness -------------------------------------------------------------------------
 
+    def _wants_exact_kernels(self, path) -> bool:
+        """Per-row kernels asked for, under strict exactness (asked, or auto's choice on a CPU), for
+        a model all on the CPU whose weights take batch-dependent kernels there: the repacked Q4_K
+        GEMM from 4 rows and the tiled K-quant kernel from 8 made Qwen2.5-Coder-1.5B Q4_K_M exact
+        to only 3 rows."""
+        cfg = self.cfg
+        return (cfg.exact_kernels and cfg.exactness != "batched" and cfg.n_gpu_layers == 0 and not cfg.rpc
+                and batch_dependent(path))
+
     @property
     def on_gpu(self) -> bool:
         if self._gpu is None:
@@ -164,6 +181,7 @@ class Engine:
 
         c, policy = self.cost, self.policy
         return {"policy": policy, "requested": self.cfg.exactness, "backend": "gpu" if self.on_gpu else "cpu",
+                "kernels": "per-row" if self.exact_kernels else "default",
                 "max_exact_rows": c.max_exact_rows, "max_verify_rows": self.max_verify_rows,
                 "batch_logit_diff": c.batch_logit_diff, "guarantee": guarantee(policy, c)}
 

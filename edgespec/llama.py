@@ -52,6 +52,34 @@ def backend_init() -> None:
         _initialized = True
 
 
+# ggml types whose CPU matrix product takes other kernels for a batch than for one row (x86, this
+# build; docs/exactness.md): the tiled K-quant kernel from 8 rows (ggml-cpu/tiled/tiled.cpp:
+# Q2_K-Q6_K, IQ1-IQ4_XS) and the repacked Q4_K GEMM from 4 rows (ggml-cpu/repack.cpp).
+BATCH_DEPENDENT_TYPES = frozenset({10, 11, 12, 13, 14, 16, 17, 18, 19, 21, 22, 23, 29})
+TILED_ENV = "GGML_CPU_TILED_MM"
+
+
+def batch_dependent(path: str | os.PathLike) -> bool:
+    """Whether the model holds weights that llama.cpp's CPU backend multiplies with other kernels
+    in a batch than for one row (so batched verification differs from plain decoding)."""
+    return bool(inspect(path).types & BATCH_DEPENDENT_TYPES)
+
+
+def use_exact_kernels() -> bool:
+    """Ask the CPU backend for the per-row dot-product kernel at every batch size for K-quants
+    (GGML_CPU_TILED_MM=0: the tiled kernel off). llama.cpp reads it once per process, at its first
+    K-quant-capable matrix product, so it holds only if set before that; a value the user set is
+    kept. Returns whether the tiled kernel is off as asked (the exactness probe has the last word)."""
+    os.environ.setdefault(TILED_ENV, "0")
+    return os.environ[TILED_ENV] == "0"
+
+
+def kernel_tag(model: "Model") -> str:
+    """What sets the CPU kernels of this model apart, for the cost cache's key."""
+    tiled = TILED_ENV in os.environ and model.info.types & BATCH_DEPENDENT_TYPES
+    return ("" if model.repack else "|norepack") + (f"|tiled{os.environ[TILED_ENV]}" if tiled else "")
+
+
 def last_log_error() -> str:
     """The most recent llama.cpp log line that looks like an error, for user-facing messages."""
     for line in reversed(_LOG):
@@ -65,16 +93,20 @@ class Model:
     """A loaded GGUF model and its vocabulary."""
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, load_mtp: bool = False,
-                 devices: list[int] | None = None):
+                 devices: list[int] | None = None, repack: bool = True):
         """`load_mtp`: also load the model's nextn (MTP) layers, for an MTP draft context;
-        `devices`: ggml devices to offload layers to (None: all; [] none, the CPU only)."""
+        `devices`: ggml devices to offload layers to (None: all; [] none, the CPU only);
+        `repack`: let the CPU backend repack weights into its interleaved layout (llama.cpp's
+        `use_extra_bufts`), whose kernels for 4 rows and more differ from one row's."""
         backend_init()
         self.info = inspect(path)  # a damaged file gets a clear line before llama.cpp sees it
         self.path = self.info.path
         params = lc.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
         params.load_mtp = bool(load_mtp)
+        params.use_extra_bufts = bool(repack)
         self.load_mtp = bool(load_mtp)
+        self.repack = bool(repack)
         if devices is not None:  # the devices to offload to (else every one llama.cpp knows)
             arr = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
             params.devices = ctypes.cast(arr, ctypes.c_void_p)

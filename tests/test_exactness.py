@@ -205,3 +205,70 @@ def test_logits_views_stay_true_as_the_output_buffer_grows(smol):
                 assert mine.shape == (n_vocab,) and np.array_equal(mine, theirs(i)), (rows, i)
     finally:
         ctx.close()
+
+
+_KQUANT_CHILD = r"""
+import json, sys
+import numpy as np
+from edgespec.engine import Engine, EngineConfig
+
+path, exactness, exact_kernels = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+eng = Engine(EngineConfig(model=path, n_ctx=1024, threads=2, max_branches=1, exactness=exactness,
+                          exact_kernels=exact_kernels))
+info = eng.exactness_info()
+kv, ctx = eng.kv, eng.ctx
+rng = np.random.default_rng(5)
+prefix = [int(x) for x in rng.integers(1, 255, 40)]
+toks = [int(x) for x in rng.integers(1, 255, 33)]
+kv.extend(prefix, want_logits=False)
+one = [ctx.logits(kv.extend([t])).copy() for t in toks]
+same = {}
+for n in sorted({2, 3, 4, 5, 8, 16, 32, min(33, info["max_verify_rows"])}):
+    kv.truncate(len(prefix))
+    kv.extend(toks[:n], all_rows=True)
+    same[n] = all(np.array_equal(ctx.logits(i), one[i]) for i in range(n))
+print(json.dumps({**info, "same": same}))
+"""
+
+
+def _kquant_engine(model, exactness, exact_kernels, cache):
+    """The exactness info of an engine on `model` (a process of its own: llama.cpp reads its CPU
+    kernel switch once per process) and whether batches of n rows equal one-row decodes."""
+    r = subprocess.run([sys.executable, "-c", _KQUANT_CHILD, str(model), exactness, str(int(exact_kernels))], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "EDGESPEC_CACHE": str(cache)})
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    d["same"] = {int(k): v for k, v in d["same"].items()}
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_k(tmp_path_factory):
+    from synthetic_kquant import tensor_types, write_q4_k_m
+
+    p = write_q4_k_m(tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf")
+    assert {"Q4_K", "Q6_K"} <= set(tensor_types(p).values())
+    return p
+
+
+def test_kquant_probe_and_policy_agree(tiny_q4_k, tmp_path):
+    """A Q4_K_M model on this CPU: with --exact-kernels under strict exactness the engine takes the
+    per-row kernels and its probe reads at least 16 exact rows; with the default kernels the probe
+    reads the repacked GEMM's limit. Either way the probe is the truth (a batch of the probed size
+    equals one-row decodes, the next size does not) and strict verifies no more rows than it found."""
+    strict = _kquant_engine(tiny_q4_k, "auto", True, tmp_path)
+    assert strict["policy"] == "strict" and strict["kernels"] == "per-row"
+    assert strict["max_exact_rows"] >= 16 and strict["max_verify_rows"] == strict["max_exact_rows"]
+    assert all(ok for n, ok in strict["same"].items() if n <= strict["max_exact_rows"])
+
+    for requested, kernels in (("auto", False), ("batched", True)):  # batched keeps the default kernels
+        fast = _kquant_engine(tiny_q4_k, requested, kernels, tmp_path)
+        assert fast["kernels"] == "default"
+        cap = fast["max_exact_rows"]
+        assert cap < 16  # the repacked Q4_K GEMM (4 rows and more) differs from its one-row GEMV
+        assert all(ok for n, ok in fast["same"].items() if n <= cap)
+        assert not fast["same"][min(n for n in fast["same"] if n > cap)]
+        if requested == "auto":
+            assert fast["policy"] == "strict" and fast["max_verify_rows"] == cap
+        else:
+            assert fast["policy"] == "batched" and fast["max_verify_rows"] > cap

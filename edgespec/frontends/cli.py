@@ -20,7 +20,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smo
     g = p.add_argument_group("models and hardware")
     g.add_argument("-m", "--model", default=default_model,
                    help="target model: catalog name, name:q4_0|q4_1|q8_0|f16, or a .gguf path (default: %(default)s)")
-    g.add_argument("-md", "--model-draft", dest="draft", default=None, help="draft model with the same vocabulary")
+    g.add_argument("-md", "--model-draft", dest="draft", default=None,
+                   help="draft model with the same vocabulary (default: the catalog's pair of -m, where it has one, "
+                        "for --spec draft and pearl; none: without one)")
     g.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=4096, help="context size in tokens (default: %(default)s)")
     g.add_argument("-t", "--threads", type=int, default=0, help="threads for the target (default: all cores, at most 8)")
     g.add_argument("-td", "--threads-draft", type=int, default=0, help="threads for the draft model (default: as -t)")
@@ -43,6 +45,10 @@ def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smo
                         "(greedy output identical to plain); batched: verify in batches anyway, taking the backend's "
                         "batched numerics as the model's (the distribution exact, greedy equal except at near-ties); "
                         "auto: strict on a CPU, batched on a GPU whose batches are exact below 4 rows (default: auto)")
+    g.add_argument("--exact-kernels", action="store_true",
+                   help="K-quant models (Q4_K_M...) on a CPU under strict exactness: llama.cpp's per-row kernel at "
+                        "every batch size (weights not repacked, tiled K-quant matmul off), so verification stays "
+                        "bit-exact to 32 rows instead of 3; a plain step costs about 1.5x (docs/exactness.md)")
 
 
 def _kv_arg(text: str) -> str:
@@ -266,14 +272,29 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _draft_spec(a) -> str | None:
+    """-md, else the catalog's draft for -m (qwen2.5-coder-1.5b-instruct drafts with its 0.5B
+    sibling) where the method needs a draft model; `-md none`: none. `auto` takes a draft model
+    only from -md: on 2 cores the 0.5B's probes cost auto more than it drafts (issue 34)."""
+    if a.draft is not None:
+        return None if a.draft == "none" else a.draft
+    wanted = getattr(a, "methods", None)  # bench's list, else the one method
+    names = [m.strip() for m in wanted.split(",") if m.strip()] if wanted else [getattr(a, "spec", "auto")]
+    if not any(m in methods.METHODS and methods.METHODS[m].needs_draft_model for m in names):
+        return None
+    from ..models import paired_draft
+
+    return paired_draft(a.model)
+
+
 def _engine_config(a):
     from ..engine import EngineConfig
 
     return EngineConfig(
-        model=a.model, draft=a.draft, n_ctx=a.n_ctx, threads=a.threads, threads_draft=a.threads_draft,
+        model=a.model, draft=_draft_spec(a), n_ctx=a.n_ctx, threads=a.threads, threads_draft=a.threads_draft,
         n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngld, draft_n_max=a.draft_n_max, draft_n_min=a.draft_n_min,
         draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=kv_setting(a),
-        exactness=a.exactness, rpc=_endpoints(getattr(a, "rpc", None)),
+        exactness=a.exactness, exact_kernels=getattr(a, "exact_kernels", False), rpc=_endpoints(getattr(a, "rpc", None)),
         rpc_draft=_endpoints(getattr(a, "rpc_draft", None)),
         # chains need one sequence; only trees borrow more (and a multi-sequence cache costs a little)
         max_branches=8 if methods.get(getattr(a, "spec", "auto")).trees else 1,
@@ -333,7 +354,7 @@ def _validate(a) -> None:
         _sampling(a)
     if a.draft_n_max < 0 or a.draft_n_min < 0 or a.draft_n_min > a.draft_n_max:
         raise EdgespecError("draft lengths need 0 <= --spec-draft-n-min <= --spec-draft-n-max")
-    if hasattr(a, "spec") and methods.get(a.spec).needs_draft_model and not a.draft:
+    if hasattr(a, "spec") and methods.get(a.spec).needs_draft_model and not _draft_spec(a):
         raise EdgespecError(f"--spec {a.spec} needs a draft model: pass -md MODEL")
     if getattr(a, "pearl_gamma", 1) < 1:
         raise EdgespecError("--pearl-gamma must be at least 1")

@@ -73,7 +73,9 @@ def run_doctor(a, cfg) -> int:
           f"{on['ratio'][1]:.2f}x (many rows) the curve over {on['decodes'][0]} + {on['decodes'][1]} decodes"
           + (f"; to be measured again: {on['far_off']}" if on["far_off"] else ""))
     diff = ex["batch_logit_diff"]
-    print(f"exactness probe: batches bit-identical to one-row decodes up to {ex['max_exact_rows']} rows; largest "
+    kern = (" (K-quant kernels: per-row at every batch size, weights not repacked)"
+            if ex.get("kernels") == "per-row" else "")
+    print(f"exactness probe{kern}: batches bit-identical to one-row decodes up to {ex['max_exact_rows']} rows; largest "
           f"|delta logit| at 2-32 rows: {'not measured' if diff is None else f'{diff:.3g}'}")
     print(f"policy: {ex['policy']} (--exactness {ex['requested']}), verifying up to {ex['max_verify_rows']} rows: "
           f"{ex['guarantee']}")

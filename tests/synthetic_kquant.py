@@ -1,0 +1,94 @@
+"""A tiny llama-architecture GGUF quantized to Q4_K_M (Q4_K and Q6_K weights), for the exactness
+probe's test: the kernels llama.cpp's CPU backend picks for K-quant weights depend on the number
+of rows in a batch (docs/exactness.md), which a model of Q4_0/Q8_0 weights never shows.
+
+The gguf package writes float32 weights (gguf-py has no K-quant quantizer); llama.cpp's own
+quantizer (`llama_model_quantize`, ftype MOSTLY_Q4_K_M) turns them into K-quants. K-quant blocks
+are 256 wide, so every matrix row is a multiple of 256; the CPU's repacked Q4_K layout needs row
+counts divisible by 8.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+ARCH = "llama"
+N_EMBD = 256
+N_HEAD = 4
+N_HEAD_KV = 2
+HEAD_DIM = N_EMBD // N_HEAD
+N_FF = 512
+N_CTX = 1024
+N_VOCAB = 256  # llama.cpp's dummy "test" tokenizer
+FTYPE_Q4_K_M = 15  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
+
+
+def write_f32(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int, scale: float = 0.06) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)  # numpy (out, in) = ggml {in, out}
+
+    wr = gguf.GGUFWriter(str(path), ARCH)
+    wr.add_uint32(f"{ARCH}.context_length", N_CTX)
+    wr.add_uint32(f"{ARCH}.embedding_length", N_EMBD)
+    wr.add_uint32(f"{ARCH}.block_count", n_layer)
+    wr.add_uint32(f"{ARCH}.feed_forward_length", N_FF)
+    wr.add_uint32(f"{ARCH}.attention.head_count", N_HEAD)
+    wr.add_uint32(f"{ARCH}.attention.head_count_kv", N_HEAD_KV)
+    wr.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", 1e-5)
+    wr.add_float32(f"{ARCH}.rope.freq_base", 10000.0)
+    wr.add_uint32(f"{ARCH}.rope.dimension_count", HEAD_DIM)
+    wr.add_uint32(f"{ARCH}.vocab_size", N_VOCAB)
+    wr.add_uint32("general.file_type", 0)
+    wr.add_key_value("tokenizer.ggml.model", "test", gguf.GGUFValueType.STRING)
+    wr.add_key_value("tokenizer.ggml.tokens", [f"tok_{i}" for i in range(N_VOCAB)], gguf.GGUFValueType.ARRAY,
+                     sub_type=gguf.GGUFValueType.STRING)
+    wr.add_key_value("tokenizer.ggml.scores", [0.0] * N_VOCAB, gguf.GGUFValueType.ARRAY,
+                     sub_type=gguf.GGUFValueType.FLOAT32)
+    wr.add_tensor("token_embd.weight", w(N_VOCAB, N_EMBD, scale=1.0))
+    wr.add_tensor("output_norm.weight", np.ones(N_EMBD, np.float32))
+    wr.add_tensor("output.weight", w(N_VOCAB, N_EMBD))
+    for i in range(n_layer):
+        wr.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(N_EMBD, np.float32))
+        wr.add_tensor(f"blk.{i}.attn_q.weight", w(N_HEAD * HEAD_DIM, N_EMBD))
+        wr.add_tensor(f"blk.{i}.attn_k.weight", w(N_HEAD_KV * HEAD_DIM, N_EMBD))
+        wr.add_tensor(f"blk.{i}.attn_v.weight", w(N_HEAD_KV * HEAD_DIM, N_EMBD))
+        wr.add_tensor(f"blk.{i}.attn_output.weight", w(N_EMBD, N_HEAD * HEAD_DIM))
+        wr.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(N_EMBD, np.float32))
+        wr.add_tensor(f"blk.{i}.ffn_gate.weight", w(N_FF, N_EMBD))
+        wr.add_tensor(f"blk.{i}.ffn_up.weight", w(N_FF, N_EMBD))
+        wr.add_tensor(f"blk.{i}.ffn_down.weight", w(N_EMBD, N_FF))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
+
+
+def write_q4_k_m(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:
+    """The tiny model, quantized to Q4_K_M by llama.cpp; returns `path`."""
+    import llama_cpp as lc
+
+    from edgespec.llama import backend_init
+
+    path = Path(path)
+    src = write_f32(path.with_name(path.stem + ".f32.gguf"), n_layer, seed)
+    backend_init()
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = FTYPE_Q4_K_M
+    params.nthread = 2
+    rc = lc.llama_model_quantize(str(src).encode(), str(path).encode(), ctypes.byref(params))
+    src.unlink()
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize failed ({rc})")
+    return path
+
+
+def tensor_types(path: str | Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}

