@@ -84,3 +84,21 @@ def test_prompts_read_in_chunks_between_steps_stay_exact(smol):
     assert [out[i] for i in range(3)] == [list(r) for r in ref]
     assert reads["dropped"] == 2 and out["dropped"] == []
     assert min(reads[i] for i in range(3)) >= 2
+
+
+def test_a_generation_given_up_while_its_prompt_is_read_stops_between_chunks(smol):
+    """One sequence at a time (`-np 1`): `cancelled` is asked between the prompt's chunks."""
+    from edgespec.errors import Cancelled
+
+    prompt = smol.prompt_tokens(PROMPTS[4] * 2)
+    assert len(prompt) > smol.ctx.n_batch
+    asked = []
+    gen = smol.start(prompt, 8, SamplingConfig(), "lookahead")
+    gen.cancelled = lambda: asked.append(1) or True
+    try:
+        next(iter(gen))
+        raise AssertionError("not cancelled")
+    except Cancelled:
+        pass
+    assert len(asked) == 1 and smol.kv.n == smol.ctx.n_batch  # stopped after the first chunk
+    assert generate(smol, smol.prompt_tokens(PROMPTS[2]), 8).tokens  # the engine serves on

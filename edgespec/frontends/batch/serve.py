@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from ... import methods
-from ...errors import EdgespecError
+from ...errors import Cancelled, EdgespecError
 from ...events import Stats
 from ...text import TextStream
 from .output import error_record, failure, ok_record
@@ -205,6 +205,7 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
                     opt = methods.Options(seed=req.sampling.seed, shared=shared, max_branches=engine.cfg.max_branches)
                     drafter = methods.build_drafter(engine, method, opt)
                 gen = engine.start(prompt, req.max_tokens, req.sampling, method, drafter=drafter)
+                gen.cancelled = lambda: req.cancelled
                 text = TextStream(engine.target, req.stop)
                 steps = iter(gen)
                 try:
@@ -218,6 +219,10 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
                             break
                 finally:
                     steps.close()
+            except Cancelled:  # given up while its prompt was read
+                totals.active = 0
+                gone(req)
+                continue
             except Exception as e:  # one request never ends the batch: it gets its error line
                 totals.active = 0
                 fail(req, failure(e))
