@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import OrderedDict
 import time
+from collections import OrderedDict
 from typing import Any
 
 from ..batch.requests import Request
