@@ -64,14 +64,14 @@ def test_a_template_that_trims_or_rewrites_content():
 def test_prompts_read_in_chunks_between_steps_stay_exact(smol):
     """Several sequences, prompts read a chunk at a time between the others' steps: each output
     equals plain greedy decoding; a sequence stopped while its prompt is read ends at once."""
-    prompts = [smol.prompt_tokens(p) for p in PROMPTS[:3]]
-    ref = [generate(smol, p, 24).tokens for p in prompts]
-    dec = MultiDecoder(smol, 3, "lookahead", quiet=True)
+    prompts = [smol.prompt_tokens(p) for p in PROMPTS[:2]]
+    ref = [generate(smol, p, 12).tokens for p in prompts]
+    dec = MultiDecoder(smol, 2, "lookahead", quiet=True)
     dec.prefill_chunk = 16
     out, reads = {}, {}
     try:
-        jobs = [Job(p, 24, SamplingConfig(), tag=i, share=None) for i, p in enumerate(prompts)]
-        jobs.append(Job(smol.prompt_tokens(PROMPTS[4]), 24, SamplingConfig(), tag="dropped"))
+        jobs = [Job(p, 12, SamplingConfig(), tag=i, share=None) for i, p in enumerate(prompts)]
+        jobs.append(Job(smol.prompt_tokens(PROMPTS[4]), 12, SamplingConfig(), tag="dropped"))
         for kind, g, x in dec.run(iter(jobs)):
             if kind == "read":
                 reads[g.job.tag] = reads.get(g.job.tag, 0) + 1
@@ -81,9 +81,9 @@ def test_prompts_read_in_chunks_between_steps_stay_exact(smol):
                 out[g.job.tag] = list(g.tokens)
     finally:
         dec.close()
-    assert [out[i] for i in range(3)] == [list(r) for r in ref]
+    assert [out[i] for i in range(2)] == [list(r) for r in ref]
     assert reads["dropped"] == 2 and out["dropped"] == []
-    assert min(reads[i] for i in range(3)) >= 2
+    assert min(reads[i] for i in range(2)) >= 2
 
 
 def test_a_generation_given_up_while_its_prompt_is_read_stops_between_chunks(smol):

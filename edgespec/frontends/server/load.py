@@ -149,7 +149,10 @@ def run_gaps(url: str, prompts: list[list[dict]], clients: int, seconds: float, 
                 conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
                 r = conn.getresponse()
                 while line := r.readline():
-                    if line.startswith(b"data: ") and b'"content"' in line:  # text, not the role chunk
+                    if not line.startswith(b"data: {"):
+                        continue
+                    ev = json.loads(line[6:])
+                    if any(ch["delta"].get("content") for ch in ev.get("choices", [])):  # text, not the role
                         now = time.monotonic()
                         with lock:
                             if st[0] is not None:
