@@ -202,18 +202,23 @@ class Engine:
 
     # -- prompts --------------------------------------------------------------------------
 
-    def prompt_tokens(self, text: str | None = None, messages: list[dict] | None = None, raw: bool = False) -> list[int]:
+    def prompt_tokens(self, text: str | None = None, messages: list[dict] | None = None, raw: bool = False,
+                      special: bool = False) -> list[int]:
+        """A prompt's tokens: `text` as is (`raw`), else the messages (or `text` as one user
+        message) in the model's chat template. Control tokens (`<|im_start|>`) are read only in
+        the template's own text: a message's content is text whatever it holds, and so is raw
+        text unless `special` (the command line's `run --raw`, whose user writes the prompt)."""
         m = self.target
         if raw:
-            return m.tokenize(text or "", add_special=True, parse_special=True)
+            return m.tokenize(text or "", add_special=True, parse_special=special)
         if messages is None:
             messages = [{"role": "user", "content": text or ""}]
         bos = m.token_text(m.bos) if m.bos >= 0 else ""
         eos = m.token_text(m.eos) if m.eos >= 0 else ""
-        rendered = chat.render(m.chat_template, messages, bos, eos, add_generation_prompt=True)
-        add_bos = m.add_bos and not (bos and rendered.startswith(bos))
-        toks = m.tokenize(rendered, add_special=False, parse_special=True)
-        return ([m.bos] if add_bos else []) + toks
+        parts = chat.render_parts(m.chat_template, messages, bos, eos, add_generation_prompt=True,
+                                  has_marker=m.has_control_text)
+        add_bos = m.add_bos and not (bos and parts and parts[0][1] and parts[0][0].startswith(bos))
+        return ([m.bos] if add_bos else []) + m.tokenize_parts(parts)
 
     # -- generations ----------------------------------------------------------------------
 

@@ -25,3 +25,7 @@ class CatalogError(EdgespecError):
 
 class ChecksumError(CatalogError):
     """A fetched or cached file does not match the sha256 pinned in the catalog."""
+
+
+class Cancelled(EdgespecError):
+    """A generation's caller gave it up while its prompt was being read (`Lifecycle.cancelled`)."""

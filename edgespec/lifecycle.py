@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .draft import Draft
-from .errors import ContextFullError, EdgespecError
+from .errors import Cancelled, ContextFullError, EdgespecError
 from .events import Stats, StepEvent
 from .kv import KVSeq
 from .sampling import SamplingConfig, pick
@@ -36,6 +36,8 @@ class Lifecycle:
     context: list[int] = field(default_factory=list)  # prompt + tokens, grown in place
     t_start: float = 0.0
     prompt_hidden: np.ndarray | None = None  # see _prologue
+    # asked between the prompt's chunks: True ends the generation there (raises `Cancelled`)
+    cancelled: Callable[[], bool] | None = None
 
     def __iter__(self) -> Iterator[StepEvent]:  # pragma: no cover - each scheduler has its own
         raise NotImplementedError
@@ -74,6 +76,14 @@ class Lifecycle:
         if hidden:
             kv.ctx.set_embeddings(True)
         kv.ctx.set_hidden_taps(taps if hidden else None)
+        if self.cancelled is not None:
+            given, asked = on_rows, self.cancelled
+
+            def on_rows(pos: int, rows: list[int]) -> None:
+                if given is not None:
+                    given(pos, rows)
+                if pos + len(rows) < len(self.prompt) and asked():
+                    raise Cancelled("the prompt's reading was given up")
         if hidden == "all":
             parts: list[np.ndarray] = []
             row = kv.extend(self.prompt, on_hidden=lambda h, pos: parts.append(h), on_rows=on_rows)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import re
 import sys
 import threading
 from dataclasses import dataclass
@@ -128,6 +129,8 @@ class Model:
         self.vocab_type = int(lc.llama_vocab_type(self.vocab))
         self._eog: dict[int, bool] = {}
         self._pieces: dict[int, bytes] = {}
+        self._control: tuple | None = None
+        self._longest: int | None = None
         buf = ctypes.create_string_buffer(256)
         n = lc.llama_model_desc(ptr, buf, 256)
         self.desc = buf.value[: max(n, 0)].decode("utf-8", "replace")
@@ -165,6 +168,60 @@ class Model:
             arr = (lc.llama_token * n_max)()
             n = lc.llama_tokenize(self.vocab, data, len(data), arr, n_max, add_special, parse_special)
         return list(arr[:n])
+
+    @property
+    def control_tokens(self) -> tuple[re.Pattern | None, dict[str, int]]:
+        """The texts of the tokens that only special parsing makes (control and unknown tokens,
+        e.g. `<|im_start|>`) as one pattern, longest first as llama.cpp matches them, and each
+        text's id. Found once, on first use (one attribute call per token of the vocabulary)."""
+        if self._control is None:
+            kinds = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
+            ids: dict[str, int] = {}
+            for t in range(self.n_vocab):
+                if lc.llama_vocab_get_attr(self.vocab, t) & kinds:
+                    text = self.token_text(t)
+                    if text and text not in ids:
+                        ids[text] = t
+            texts = sorted(ids, key=len, reverse=True)
+            self._control = (re.compile("|".join(map(re.escape, texts))) if texts else None, ids)
+        return self._control
+
+    @property
+    def longest_piece(self) -> int:
+        """The most bytes of text one token stands for (a text of B bytes is at least B / this
+        many tokens long)."""
+        if self._longest is None:
+            self._longest = max(1, max(len(self.piece(t)) for t in range(self.n_vocab)))
+        return self._longest
+
+    def has_control_text(self, text: str) -> bool:
+        """Whether special parsing would read a control token in `text`."""
+        pattern = self.control_tokens[0]
+        return pattern is not None and pattern.search(text) is not None
+
+    def tokenize_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """Tokens of a prompt given as parts `(text, trusted)`: control tokens are read only in
+        trusted text (a chat template's own); the rest is text, whatever it holds. Text between
+        two control tokens is tokenized as one piece, as llama.cpp's special parsing does, so a
+        prompt whose control tokens all come from trusted parts gets the same tokens as
+        `tokenize(whole, parse_special=True)`."""
+        pattern, ids = self.control_tokens
+        frags: list[str | int] = [""]
+        for text, trusted in parts:
+            pos = 0
+            if trusted and pattern is not None:
+                for m in pattern.finditer(text):
+                    frags[-1] += text[pos:m.start()]
+                    frags += [ids[m.group()], ""]
+                    pos = m.end()
+            frags[-1] += text[pos:]
+        out: list[int] = []
+        for f in frags:
+            if isinstance(f, int):
+                out.append(f)
+            elif f:
+                out += self.tokenize(f, add_special=False, parse_special=False)
+        return out
 
     def piece(self, token: int, special: bool = False) -> bytes:
         key = token if not special else -1 - token

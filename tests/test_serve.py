@@ -318,7 +318,7 @@ def test_a_client_gone_before_its_answer_frees_the_slot_at_once(srv):
     s = socket.create_connection(("127.0.0.1", srv.port))
     body = json.dumps({"messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
                        "max_tokens": 900}).encode()
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     deadline = time.monotonic() + 30
     while httpx.get(srv.url + "/health").json()["active"] == 0 and time.monotonic() < deadline:

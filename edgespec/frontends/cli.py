@@ -170,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="max_tokens for requests that do not set it (default: 0, up to the end of the context)")
     sv.add_argument("--max-queue", type=int, default=256,
                     help="requests that may wait for a slot; more get a 503 (default: %(default)s)")
+    sv.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                    help="let web pages from ORIGIN (e.g. http://localhost:3000) call the API from a browser; "
+                         "repeat for more (default: none)")
+    sv.add_argument("--max-connections", type=int, default=64,
+                    help="open connections at once; more get a 503 (default: %(default)s)")
+    sv.add_argument("--read-timeout", type=float, default=30.0,
+                    help="seconds a request's body may take to arrive, and an idle connection may stay "
+                         "(default: %(default)s)")
     sv.add_argument("-q", "--quiet", action="store_true", help="no progress while the model loads")
     _add_model_args(sv)
     _add_spec_args(sv)
@@ -370,7 +378,7 @@ def cmd_run(a) -> int:
         raise EdgespecError("empty prompt")
     engine = Engine(_engine_config(a), quiet=a.json)
     if a.raw:
-        prompt = engine.prompt_tokens(text, raw=True)
+        prompt = engine.prompt_tokens(text, raw=True, special=True)  # the user's own prompt, as written
     else:
         msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
         prompt = engine.prompt_tokens(messages=msgs)
@@ -531,6 +539,12 @@ def cmd_serve(a) -> int:
         raise EdgespecError("--port must be between 0 and 65535")
     if a.max_queue < 0:
         raise EdgespecError("--max-queue must be at least 0")
+    if a.api_key is not None and not a.api_key.strip():
+        raise EdgespecError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    if a.max_connections < 1:
+        raise EdgespecError("--max-connections must be at least 1")
+    if not a.read_timeout > 0:
+        raise EdgespecError("--read-timeout must be above 0 seconds")
     return run_serve(a, _engine_config(a))
 
 

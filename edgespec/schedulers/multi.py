@@ -14,6 +14,11 @@ llama.cpp computes a multi-stream decode in one pass only when every sequence br
 number of rows (otherwise in several passes, see `split_passes`), so each step weighs one draft
 length for all sequences (shorter drafts padded) against each sequence's own confident prefix
 (more passes), on the measured cost curve and every drafter's confidence.
+
+Prompts are read in chunks (`prefill_chunk` tokens, one decode each), one chunk per step,
+between the other slots' steps: a long prompt delays the other streams by one chunk at a time,
+and a request abandoned while its prompt is read (`stop`) frees its slot after the current
+chunk. Chunks are their own decodes, as plain decoding's prompt reading is, so exactness holds.
 """
 
 from __future__ import annotations
@@ -24,20 +29,23 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 
+import numpy as np
+
 from .. import methods
 from ..costmodel import CostModel, verify_rows
 from ..draft import Draft
 from ..drafters.base import Budget, NullDrafter
-from ..errors import EdgespecError
+from ..errors import ContextFullError, EdgespecError
 from ..events import StepEvent
 from ..kv import KVSeq, decode_chains
 from ..lifecycle import Lifecycle
-from ..sampling import SamplingConfig
+from ..sampling import SamplingConfig, pick
 from ..verify import verify_step
 
 log = logging.getLogger(__name__)
 
 PROBE_EVERY = 16  # steps without drafts before one token is drafted anyway (estimates recover)
+PREFILL_CHUNK = 128  # prompt tokens read per decode while other sequences wait for their step
 
 
 @dataclass
@@ -48,6 +56,7 @@ class Job:
     max_tokens: int
     sampling: SamplingConfig
     tag: Any = None
+    share: str | None = ""  # jobs with the same share draft from one trie; None: a trie of its own
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,9 @@ class SeqGeneration(Lifecycle):
     rng: Any = None
     pending: list[int] = field(default_factory=list)  # committed, not yet in the cache
     step_no: int = 0
+    read: int = 0  # prompt tokens in the cache so far
+    reading: bool = True  # the prompt is still being read (no step yet)
+    pool: Any = None  # a SharedLookahead of this generation's own, closed when it ends
 
     @property
     def drafter_name(self) -> str:
@@ -108,7 +120,9 @@ class MultiDecoder:
         self.ctx = engine.use_streams(self.n_parallel)
         self.kvs = [KVSeq(self.ctx, i) for i in range(self.n_parallel)]
         self.max_draft = 16
-        self.shared = SharedLookahead(engine.cfg.lookahead_cache, engine.target.is_eog) if m.trees else None
+        self.trees = m.trees
+        self.pools: dict[str, SharedLookahead] = {}  # by a job's `share`
+        self.prefill_chunk = PREFILL_CHUNK
         self._zero_steps = 0
 
     @property
@@ -117,24 +131,39 @@ class MultiDecoder:
         return verify_rows(self.cost, self.policy)
 
     def close(self) -> None:
-        if self.shared is not None:
-            self.shared.close()
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
         self.engine.use_streams(None)
 
-    def _drafter(self, seed: int | None):
-        opt = methods.Options(seed=seed, shared=self.shared, max_branches=1, single_sequence=False)
-        return methods.build_drafter(self.engine, self.method, opt)
+    def _drafter(self, seed: int | None, share: str | None):
+        """A drafter, and the trie it alone uses (None when it drafts from a shared one)."""
+        from ..drafters.lookahead import SharedLookahead
+
+        pool = own = None
+        if self.trees:
+            if share is None:
+                pool = own = SharedLookahead(None, self.engine.target.is_eog)
+            else:
+                pool = self.pools.get(share)
+                if pool is None:  # the lookahead cache file is the default share's
+                    path = self.engine.cfg.lookahead_cache if share == "" else None
+                    pool = self.pools[share] = SharedLookahead(path, self.engine.target.is_eog)
+        opt = methods.Options(seed=seed, shared=pool, max_branches=1, single_sequence=False)
+        return methods.build_drafter(self.engine, self.method, opt), own
 
     # -- the loop -------------------------------------------------------------------------
 
     def run(self, jobs: Iterable[Job]) -> Iterator[tuple[str, Any, Any]]:
-        """Yield ("step", gen, StepEvent), ("done", gen, None) and ("error", job, EdgespecError)
-        as they happen. `jobs` may yield None for "nothing waiting now" (a server's queue). Call `gen.stop()` on a step to end that generation; close the iterator to
-        abandon the rest (slots are freed)."""
+        """Yield ("read", gen, tokens read so far) after each chunk of a prompt, ("step", gen,
+        StepEvent), ("done", gen, None) and ("error", job, EdgespecError) as they happen. `jobs`
+        may yield None for "nothing waiting now" (a server's queue). Call `gen.stop()` on a read
+        or a step to end that generation; close the iterator to abandon the rest (slots are freed)."""
         source = iter(jobs)
         slots: list[SeqGeneration | None] = [None] * self.n_parallel
         exhausted = False
         end = object()
+        turn = 0  # the slot whose prompt is read next, when several are
         try:
             while True:
                 idle = False  # the source had nothing waiting (it yielded None)
@@ -148,28 +177,40 @@ class MultiDecoder:
                             idle = True
                             break
                         try:
-                            g, ev = self._admit(job, i)
+                            slots[i] = self._admit(job, i)
                         except Exception as e:  # that request's error; the others go on
                             self.kvs[i].reset()
                             yield "error", job, e
-                            continue
-                        yield "step", g, ev
-                        if g.done or g.stopped:
-                            self._finish(g)
-                            yield "done", g, None
-                        else:
-                            slots[i] = g
-                active = [g for g in slots if g is not None]
-                if not active:
+                if not any(slots):
                     if exhausted:
                         return
                     continue  # an endless source (a server) blocks in `next` until a job comes
+                reading = [i for i in range(self.n_parallel) if slots[i] is not None and slots[i].reading]
+                if reading:  # one chunk of one prompt, then the others' step
+                    i = min(reading, key=lambda j: (j - turn) % self.n_parallel)
+                    turn = (i + 1) % self.n_parallel
+                    g = slots[i]
+                    try:
+                        ev = self._read_chunk(g)
+                    except Exception as e:
+                        self._finish(g)
+                        slots[i] = None
+                        yield "error", g.job, e
+                    else:
+                        yield ("read", g, g.read) if ev is None else ("step", g, ev)
+                        if g.done or g.stopped:
+                            self._finish(g)
+                            slots[i] = None
+                            yield "done", g, None
+                active = [g for g in slots if g is not None and not g.reading]
+                if not active:
+                    continue
                 try:
                     steps = self._step(active)
                 except Exception as e:  # a failed decode fails the requests it carried, not the batch
                     steps = []
                     for i, g in enumerate(slots):
-                        if g is not None:
+                        if g is not None and not g.reading:
                             self._finish(g)
                             slots[i] = None
                             yield "error", g.job, e
@@ -185,20 +226,51 @@ class MultiDecoder:
                 if g is not None:
                     self._finish(g)
 
-    def _admit(self, job: Job, slot: int) -> tuple[SeqGeneration, StepEvent]:
-        g = SeqGeneration(self.engine, job.prompt, job.max_tokens, job.sampling, job=job, kv=self.kvs[slot],
-                          drafter=self._drafter(job.sampling.seed))
-        first, g.rng = g._prologue(g.kv)
-        g.drafter.begin(job.prompt)
+    def _admit(self, job: Job, slot: int) -> SeqGeneration:
+        """A generation in `slot`, its prompt checked, not yet read."""
+        kv = self.kvs[slot]
+        if not job.prompt:
+            raise EdgespecError("empty prompt")
+        if len(job.prompt) >= kv.capacity:
+            raise ContextFullError(
+                f"prompt of {len(job.prompt)} tokens does not fit in a context of {kv.capacity} tokens (raise -c)")
+        drafter, own = self._drafter(job.sampling.seed, job.share)
+        g = SeqGeneration(self.engine, job.prompt, job.max_tokens, job.sampling, job=job, kv=kv, drafter=drafter,
+                          pool=own)
+        g.stats.n_prompt = len(job.prompt)
+        g.stats.finish_reason = "interrupted"
+        g.t_start = time.perf_counter()
+        kv.reset()
+        kv.ctx.set_hidden_taps(None)
+        return g
+
+    def _read_chunk(self, g: SeqGeneration) -> StepEvent | None:
+        """Read the next chunk of `g`'s prompt; at its end, pick the first token and return its
+        step event (as `Lifecycle._prologue` does for one sequence)."""
+        t0 = time.perf_counter()
+        chunk = g.prompt[g.read: g.read + self.prefill_chunk]
+        last = g.read + len(chunk) >= len(g.prompt)
+        row = g.kv.extend(chunk, want_logits=last)
+        g.read += len(chunk)
+        g.stats.t_prompt += time.perf_counter() - t0
+        if not last:
+            return None
+        g.rng = np.random.default_rng(g.sampling.seed)
+        first = pick(g.kv.ctx.logits(row), g.sampling, g.rng)
+        g.context = list(g.prompt)
+        g.reading = False
+        g.drafter.begin(g.prompt)
         g.t_start = time.perf_counter()
         g.pending = [first]
-        ev = self._emit(g, [first], Draft(), [], 0.0, 0.0, 0)
-        return g, ev
+        return self._emit(g, [first], Draft(), [], 0.0, 0.0, 0)
 
     def _finish(self, g: SeqGeneration) -> None:
         g.stats.t_gen = time.perf_counter() - g.t_start
         g.drafter.end()
         g.kv.reset()
+        if g.pool is not None:
+            g.pool.close()
+            g.pool = None
 
     def _emit(self, g: SeqGeneration, committed: list[int], draft: Draft, accepted: list[int],
               t_draft: float, t_verify: float, step: int) -> StepEvent:

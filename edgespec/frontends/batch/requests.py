@@ -33,6 +33,9 @@ class Request:
     tokens: list[int] | None = None  # serve: the prompt, tokenized when the request came
     error: RequestError | None = None  # set when the line cannot be served
     duplicate_of: int | None = None  # line number of the first line with this custom_id
+    # requests with the same `share` draft from one lookahead trie (they learn from each other's
+    # text); None: a trie of this request's own (serve without a key: users are not told apart)
+    share: str | None = ""
 
 
 @dataclass(frozen=True)

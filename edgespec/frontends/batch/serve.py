@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from ... import methods
-from ...errors import EdgespecError
+from ...errors import Cancelled, EdgespecError
 from ...events import Stats
 from ...text import TextStream
 from .output import error_record, failure, ok_record
@@ -81,6 +81,9 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
         totals.failed += 1
         emit(req, error_record(req, err))
 
+    def gone(req: Request) -> None:
+        emit(req, error_record(req, RequestError("the client went away", "cancelled", 499)))
+
     def tokens_of(req: Request) -> list[int] | None:
         """The request's prompt tokens, or None after writing its error line."""
         if req.error:
@@ -111,7 +114,7 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
 
     try:
         if n_parallel <= 1:
-            _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, on_text, totals)
+            _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, on_text, totals)
             return totals
         from ...schedulers.multi import Job, MultiDecoder
 
@@ -123,15 +126,21 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
                 if req is None:
                     yield None  # nothing waiting: the decoder goes on with what it has
                     continue
+                if req.cancelled:  # the client left before its turn (serve)
+                    gone(req)
+                    continue
                 prompt = tokens_of(req)
                 if prompt is not None:
                     totals.active += 1
-                    yield Job(prompt, req.max_tokens, req.sampling, tag=req)
+                    yield Job(prompt, req.max_tokens, req.sampling, tag=req, share=req.share)
 
         events = dec.run(jobs())
         try:
             for kind, g, x in events:
-                if kind == "step":
+                if kind == "read":  # a chunk of the prompt is read
+                    if g.job.tag.cancelled:
+                        g.stop()
+                elif kind == "step":
                     req = g.job.tag
                     text = texts.get(id(g.job))
                     if text is None:
@@ -158,27 +167,45 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
         totals.wall = time.perf_counter() - t0
 
 
-def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, on_text, totals) -> None:
+def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, on_text, totals) -> None:
     """`-np 1`: every method, each request a generation of its own; lookahead requests (and
-    auto's) share one trie, so similar requests draft from each other."""
+    auto's) with the same `share` draft from one trie, so similar requests draft from each
+    other; a request without one has its own trie. The draft model's cache (which keeps the
+    last prompt) is cleared between requests that do not share."""
     from ...drafters.lookahead import SharedLookahead
 
     m = methods.get(method)
-    shared = SharedLookahead(engine.cfg.lookahead_cache, engine.target.is_eog) if m.trees else None
+    pools: dict[str, SharedLookahead] = {}
+    last_share: object = ()
     try:
         for req in reqs:
             if req is None:
+                continue
+            if req.cancelled:
+                gone(req)
                 continue
             prompt = tokens_of(req)
             if prompt is None:
                 continue
             totals.active = 1
+            own = None
+            if engine.draft_kv is not None and (req.share is None or req.share != last_share):
+                engine.draft_kv.reset()
+            last_share = req.share
             try:
                 drafter = None
-                if shared is not None:
+                if m.trees:
+                    if req.share is None:
+                        shared = own = SharedLookahead(None, engine.target.is_eog)
+                    else:
+                        shared = pools.get(req.share)
+                        if shared is None:
+                            path = engine.cfg.lookahead_cache if req.share == "" else None
+                            shared = pools[req.share] = SharedLookahead(path, engine.target.is_eog)
                     opt = methods.Options(seed=req.sampling.seed, shared=shared, max_branches=engine.cfg.max_branches)
                     drafter = methods.build_drafter(engine, method, opt)
                 gen = engine.start(prompt, req.max_tokens, req.sampling, method, drafter=drafter)
+                gen.cancelled = lambda: req.cancelled
                 text = TextStream(engine.target, req.stop)
                 steps = iter(gen)
                 try:
@@ -192,12 +219,19 @@ def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, 
                             break
                 finally:
                     steps.close()
+            except Cancelled:  # given up while its prompt was read
+                totals.active = 0
+                gone(req)
+                continue
             except Exception as e:  # one request never ends the batch: it gets its error line
                 totals.active = 0
                 fail(req, failure(e))
                 continue
+            finally:
+                if own is not None:
+                    own.close()
             totals.active = 0
             finished(req, gen, text)
     finally:
-        if shared is not None:
-            shared.close()
+        for pool in pools.values():
+            pool.close()

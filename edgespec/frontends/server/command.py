@@ -53,6 +53,50 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def protocol(header_timeout: float):
+    """uvicorn's h11 protocol, with a deadline for a new connection's first request head: one
+    that sends nothing, or its headers a byte at a time, is closed after `header_timeout` s
+    (uvicorn's own timers start after a first answer; the app times the body)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _head_due = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_due = self.loop.call_later(header_timeout, self._head_late)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self._head_due is not None:
+                self._head_due.cancel()
+                self._head_due = None
+
+        def connection_lost(self, exc) -> None:
+            if self._head_due is not None:
+                self._head_due.cancel()
+                self._head_due = None
+            super().connection_lost(exc)
+
+        def _head_late(self) -> None:
+            self._head_due = None
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
+def uvicorn_config(app, read_timeout: float = 30.0, max_connections: int = 64):
+    """How uvicorn runs the app: idle keep-alive connections closed after 5 s, a first request
+    head due within `read_timeout`, at most `max_connections` at once (more get a 503), quiet
+    logs (the app logs what matters in one line)."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
+                          lifespan="off", http=protocol(read_timeout), timeout_keep_alive=5,
+                          limit_concurrency=max_connections, h11_max_incomplete_event_size=64 * 1024)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -83,16 +127,17 @@ def run_serve(a, cfg) -> int:
     defaults = Defaults(max_tokens, make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed))
     worker = Worker(engine, a.spec, n_par, a.max_queue)
     name = model_name(cfg)
-    server = Server(engine, worker, name, defaults, api_key)
+    local = is_loopback(host)
+    server = Server(engine, worker, name, defaults, api_key, local_only=local, cors=a.cors,
+                    read_timeout=a.read_timeout)
     worker.start()
     shown = f"[{host}]" if ":" in host else host
     log.info(f"serving {name} at http://{shown}:{port}/v1 (--spec {a.spec}, -np {n_par}, "
              f"{engine.n_ctx_seq} tokens of context per sequence{', API key required' if api_key else ''}); "
              "Ctrl+C stops")
-    if not is_loopback(a.host) and not api_key:
+    if not local and not api_key:
         log.warning(f"listening on {a.host} without --api-key: anyone who can reach port {port} can use the model")
-    config = uvicorn.Config(server.app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
-                            lifespan="off")
+    config = uvicorn_config(server.app, a.read_timeout, a.max_connections)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
     # handlers it found: these make both a KeyboardInterrupt here, and the stop a clean one.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -103,6 +148,7 @@ def run_serve(a, cfg) -> int:
         pass
     finally:
         worker.close()
+        server.close()
         sock.close()
         if not worker.alive:  # else a decode still runs: the process exit frees the model
             engine.close()

@@ -5,13 +5,20 @@
 `-c` clients stream chat completions at once until `-n` requests are answered, cycling over
 the prompts of a bench suite. Reports requests/s, generated tokens/s, and time to first token
 (p50/p95, measured by the client: request sent to first text), with the acceptance the server
-reports per request. Every stream is checked: one id, one [DONE], no error."""
+reports per request. Every stream is checked: one id, one [DONE], no error.
+
+    python -m edgespec.frontends.server.load --url ... -c 16 --duration 60 --dropper
+
+instead streams for `--duration` seconds while one more client sends ~2,000-token prompts and
+drops each after 1 s, and reports the other streams' largest gap between two chunks (a stream
+still open at the end, 30 s later, counts its silence since its last chunk)."""
 
 from __future__ import annotations
 
 import argparse
 import http.client
 import json
+import socket
 import sys
 import threading
 import time
@@ -112,6 +119,88 @@ def run_load(url: str, prompts: list[list[dict]], clients: int, n_requests: int,
     }
 
 
+def long_prompt() -> str:
+    """A chat message of about 2,000 tokens (SmolLM2's vocabulary: 1,934 with the template)."""
+    colours = ["red", "blue", "green", "brown"]
+    return "Summarize these notes: " + " ".join(f"note {i}: the {colours[i % 4]} box {i * 7} moved."
+                                                 for i in range(135))
+
+
+def run_gaps(url: str, prompts: list[list[dict]], clients: int, seconds: float, max_tokens: int,
+             dropper: bool = True, grace: float = 30.0) -> dict:
+    """`clients` streams for `seconds` (plus one client dropping long prompts after 1 s): the
+    largest gap between two chunks of a stream, with p90 and median over the streams."""
+    u = urlsplit(url)
+    host, port = u.hostname, u.port or 80
+    stop = time.monotonic() + seconds
+    lock = threading.Lock()
+    gaps: list[float] = []
+    open_: dict[int, list] = {}  # client -> [last chunk time or None, largest gap so far]
+    count = {"finished": 0, "dropped": 0, "errors": 0}
+
+    def stream(i: int) -> None:
+        while time.monotonic() < stop:
+            st = [None, 0.0]
+            with lock:
+                open_[i] = st
+            conn = http.client.HTTPConnection(host, port, timeout=600)
+            body = {"messages": prompts[i % len(prompts)], "max_tokens": max_tokens, "stream": True}
+            try:
+                conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                while line := r.readline():
+                    if not line.startswith(b"data: {"):
+                        continue
+                    ev = json.loads(line[6:])
+                    if any(ch["delta"].get("content") for ch in ev.get("choices", [])):  # text, not the role
+                        now = time.monotonic()
+                        with lock:
+                            if st[0] is not None:
+                                st[1] = max(st[1], now - st[0])
+                            st[0] = now
+                with lock:
+                    gaps.append(st[1])
+                    count["finished"] += 1
+                    open_.pop(i, None)
+            except Exception:  # noqa: BLE001 - counted
+                with lock:
+                    count["errors"] += 1
+                    open_.pop(i, None)
+            finally:
+                conn.close()
+
+    def drop() -> None:
+        body = json.dumps({"messages": [{"role": "user", "content": long_prompt()}], "max_tokens": 100,
+                           "stream": True}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        while time.monotonic() < stop:
+            try:
+                with socket.create_connection((host, port), timeout=30) as s:
+                    s.sendall(head + body)
+                    time.sleep(1.0)
+                count["dropped"] += 1
+            except OSError:
+                count["errors"] += 1
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(clients)]
+    if dropper:
+        threads.append(threading.Thread(target=drop, daemon=True))
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    end = time.monotonic() + grace
+    while open_ and time.monotonic() < end:
+        time.sleep(0.2)
+    now = time.monotonic()
+    with lock:
+        all_gaps = sorted(gaps + [max(st[1], now - st[0]) for st in open_.values() if st[0] is not None])
+        still = len(open_)
+    return {"seconds": seconds, "clients": clients, **count, "open_at_end": still,
+            "max_gap_s": round(all_gaps[-1], 2) if all_gaps else None,
+            "p90_gap_s": round(_percentile(all_gaps, 0.9), 2), "median_gap_s": round(_percentile(all_gaps, 0.5), 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m edgespec.frontends.server.load",
                                  description="Concurrent streaming clients against an edgespec (or any OpenAI) server.")
@@ -122,11 +211,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suite", default=None, help="bench suite JSONL for the prompts (default: the built-in suite)")
     ap.add_argument("--categories", default=None, help="only these categories of the suite")
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--duration", type=float, default=None,
+                    help="stream for this many seconds and report the largest gap between chunks (keyless server)")
+    ap.add_argument("--dropper", action="store_true",
+                    help="with --duration: one more client sends ~2,000-token prompts and drops each after 1 s")
     a = ap.parse_args(argv)
     from ..bench.suites import load_suite
 
     items = load_suite(a.suite, a.categories)
     prompts = [x["messages"] if "messages" in x else [{"role": "user", "content": x["prompt"]}] for x in items]
+    if a.duration is not None:
+        res = run_gaps(a.url, prompts, a.clients, a.duration, a.max_tokens, a.dropper)
+        print(json.dumps(res))
+        return 1 if res["errors"] else 0
     res = run_load(a.url, prompts, a.clients, a.requests, a.max_tokens, a.api_key)
     print(json.dumps(res))
     return 1 if res["errors"] else 0

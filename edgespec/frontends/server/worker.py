@@ -1,16 +1,17 @@
 """The engine's thread: requests queued by the HTTP side are served by `run_requests`, the loop
 of `edgespec batch` (up to `-np` sequences per decode, the rest waiting; with `-np 1` one at a
 time with every method). Text and results go back to each request's `Sink`, on the event loop
-that waits for them; a request whose client went away is marked `cancelled` and its sequence
-stops after the current step, freeing the slot."""
+that waits for them; a request whose client went away (`cancel`) leaves the queue and every
+table at once, or, when it is being read or decoded, stops after the current prompt chunk or
+step, freeing the slot."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 from ..batch.requests import Request
@@ -19,8 +20,6 @@ from ..schema import RequestError
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-_STOP = object()
 
 
 class Sink:
@@ -48,10 +47,12 @@ class Worker:
         self.max_queue = max_queue
         self.totals = Totals()
         self.metrics = Metrics(self.queue_length, lambda: self.totals.active)
-        self._q: queue.Queue = queue.Queue()
-        self._inflight: dict[int, Request] = {}  # submitted, not yet answered
+        self._waiting: OrderedDict[int, Request] = OrderedDict()  # queued, in arrival order
+        self._inflight: dict[int, Request] = {}  # submitted, not yet answered (waiting or decoding)
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
         self._closing = False
+        self._stopped = False  # the engine's thread is told to end
         self.error: str | None = None  # set if the serving loop itself died
         self._thread = threading.Thread(target=self._main, name="edgespec-engine", daemon=True)
 
@@ -63,7 +64,11 @@ class Worker:
         return self._thread.is_alive()
 
     def queue_length(self) -> int:
-        return self._q.qsize()
+        return len(self._waiting)
+
+    def inflight(self) -> int:
+        """Requests submitted and not yet answered or cancelled (waiting or decoding)."""
+        return len(self._inflight)
 
     def submit(self, req: Request) -> None:
         """Queue a validated request (req.sink set); a 503 when the queue is full or the loop died."""
@@ -71,27 +76,38 @@ class Worker:
             raise RequestError(f"the engine stopped: {self.error}", "server_error", 503)
         if self._closing:
             raise RequestError("the server is shutting down", "server_error", 503)
-        if self._q.qsize() >= self.max_queue:
-            raise RequestError(f"{self.max_queue} requests are waiting already; try again later (--max-queue)",
-                               "server_busy", 503)
-        with self._lock:
+        with self._wake:
+            if len(self._waiting) >= self.max_queue:
+                raise RequestError(f"{self.max_queue} requests are waiting already; try again later (--max-queue)",
+                                   "server_busy", 503)
             self._inflight[id(req)] = req
-        self._q.put(req)
+            self._waiting[id(req)] = req
+            self._wake.notify()
+
+    def cancel(self, req: Request) -> None:
+        """The client went away: a waiting request leaves the queue and the tables now; one being
+        read or decoded stops after its current chunk or step (`_emit` then forgets it)."""
+        req.cancelled = True
+        with self._lock:
+            waiting = self._waiting.pop(id(req), None) is not None
+            if waiting:
+                self._inflight.pop(id(req), None)
+        if waiting:
+            self.metrics.cancelled.inc()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop taking requests, cancel what runs, and end the engine's thread."""
         self._closing = True
-        with self._lock:
+        with self._wake:
+            waiting = list(self._waiting.values())
+            self._waiting.clear()
             for req in self._inflight.values():  # sequences decoding stop after their current step
                 req.cancelled = True
-        while True:  # queued requests are answered: the server is going down
-            try:
-                req = self._q.get_nowait()
-            except queue.Empty:
-                break
-            if req is not _STOP:
-                req.sink.put(("done", _error(req, RequestError("the server is shutting down", "server_error", 503))))
-        self._q.put(_STOP)
+            self._inflight.clear()
+            self._stopped = True
+            self._wake.notify()
+        for req in waiting:  # queued requests are answered: the server is going down
+            req.sink.put(("done", _error(req, RequestError("the server is shutting down", "server_error", 503))))
         self._thread.join(timeout)
 
     # -- the engine's thread --------------------------------------------------------------
@@ -99,19 +115,12 @@ class Worker:
     def _source(self):
         """Requests as they come: blocks while nothing is decoding, else None when none waits."""
         while True:
-            try:
-                if self.totals.active == 0:
-                    req = self._q.get(timeout=0.5)
-                else:
-                    req = self._q.get_nowait()
-            except queue.Empty:
-                yield None
-                continue
-            if req is _STOP:
-                return
-            if req.cancelled:  # the client left while it waited
-                self.metrics.cancelled.inc()
-                continue
+            with self._wake:
+                if not self._waiting and not self._stopped and self.totals.active == 0:
+                    self._wake.wait(0.5)
+                if self._stopped:
+                    return
+                req = self._waiting.popitem(last=False)[1] if self._waiting else None
             yield req
 
     def _main(self) -> None:
@@ -143,12 +152,12 @@ class Worker:
             spec, usage = body["speculative"], body["usage"]
             self.metrics.finished(spec["drafter"], usage["prompt_tokens"], usage["completion_tokens"],
                                   spec["drafted_tokens"], spec["accepted_tokens"], spec["steps"])
-            if req.cancelled:
-                self.metrics.cancelled.inc()
-            else:
-                if s.t_first is None:  # an empty reply: its first token still came
-                    self.metrics.ttft.observe(now - s.t_arrival)
-                self.metrics.duration.observe(now - s.t_arrival)
+        if req.cancelled:
+            self.metrics.cancelled.inc()
+        elif rec["error"] is None:
+            if s.t_first is None:  # an empty reply: its first token still came
+                self.metrics.ttft.observe(now - s.t_arrival)
+            self.metrics.duration.observe(now - s.t_arrival)
         s.put(("done", rec))
 
 
