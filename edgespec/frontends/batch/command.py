@@ -126,7 +126,9 @@ def run_batch(a, engine_cfg) -> int:
         + (f", {skipped} already done" if skipped else "")
         + (f", {len(todo) - totals.ok - totals.failed} not run: interrupted" if interrupted else "")
         + f"), -np {a.parallel}, --spec {a.spec}",
-        f"tokens: {totals.tokens_in} in, {totals.tokens_out} out; wall {totals.wall:.1f} s "
+        f"tokens: {totals.tokens_in} in"
+        + (f" ({totals.tokens_cached} of them cached)" if totals.tokens_cached else "")
+        + f", {totals.tokens_out} out; wall {totals.wall:.1f} s "
         f"({totals.t_prompt:.1f} s reading prompts); {totals.throughput:.1f} tokens/s out, "
         f"{totals.decode_throughput:.1f} while generating",
     ]

@@ -35,6 +35,7 @@ class Totals:
         self.stats.merge(st)
 
     tokens_in = property(lambda self: self.stats.n_prompt)
+    tokens_cached = property(lambda self: self.stats.n_prompt_cached)  # of tokens_in, found in the KV cache
     tokens_out = property(lambda self: self.stats.n_generated)
     drafted = property(lambda self: self.stats.n_drafted)
     accepted = property(lambda self: self.stats.n_accept)
@@ -55,6 +56,7 @@ class Totals:
         st = self.stats
         return {
             "requests": self.ok + self.failed, "ok": self.ok, "failed": self.failed, "tokens_in": self.tokens_in,
+            "tokens_in_cached": self.tokens_cached,
             "tokens_out": self.tokens_out, "wall_s": round(self.wall, 3), "tokens_per_s": round(self.throughput, 2),
             "prompt_s": round(self.t_prompt, 3), "decode_tokens_per_s": round(self.decode_throughput, 2),
             "drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": round(st.acceptance_rate, 4),
