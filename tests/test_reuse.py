@@ -153,3 +153,28 @@ def test_stop_and_regenerate_reuse_what_holds(smol):
     assert regen.tokens == r2.tokens
     off = ChatSession(smol, "none", GREEDY, N, reuse=False)
     assert off.send(TURNS[0]).stats.n_prompt_cached == 0
+
+
+def test_batch_one_at_a_time_reuses_a_shared_prefix(smol):
+    """`batch --reuse -np 1`: requests with one system prompt read it once; lookahead's greedy
+    output equals plain decoding's with reuse; the records say what was cached."""
+    import json
+
+    from edgespec.frontends.batch import Defaults, read_requests, run_requests
+    from edgespec.sampling import SamplingConfig
+
+    system = {"role": "system", "content": "You are a careful assistant. Answer in one short paragraph, plainly."}
+    lines = [json.dumps({"custom_id": f"r{i}", "body": {"messages": [system, {"role": "user", "content": t}],
+                                                         "max_tokens": 24, "temperature": 0}})
+             for i, t in enumerate(TURNS)]
+    reqs = read_requests(lines, Defaults(24, SamplingConfig()))
+    out = {}
+    for method in ("none", "lookahead"):
+        recs = {}
+        run_requests(smol, reqs, method, 1, lambda r, rec: recs.__setitem__(r.custom_id, rec), quiet=True, reuse=True)
+        out[method] = recs
+    usage = [out["none"][f"r{i}"]["response"]["body"]["usage"] for i in range(len(TURNS))]
+    assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert all(u["prompt_tokens_details"]["cached_tokens"] > 10 for u in usage[1:])
+    text = lambda recs, i: recs[f"r{i}"]["response"]["body"]["choices"][0]["message"]["content"]  # noqa: E731
+    assert all(text(out["none"], i) == text(out["lookahead"], i) for i in range(len(TURNS)))

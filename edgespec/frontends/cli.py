@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "their old lines are removed (by default every line counts as done)")
     bt.add_argument("--compare", action="store_true",
                     help="then run the same requests with --spec none (not written) and report the speedup")
+    bt.add_argument("--reuse", action="store_true",
+                    help="with -np 1: each request reads only what its prompt adds to the KV cache the request before "
+                         "left (a shared system prompt, a conversation's next turn)")
     bt.add_argument("--stats", default=None, metavar="FILE", help="write the summary as JSON to FILE")
     bt.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_model_args(bt)

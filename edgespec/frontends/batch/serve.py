@@ -71,10 +71,13 @@ def _finish_reason(st: Stats, text: TextStream, req: Request) -> str:
 
 
 def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel: int, emit, on_step=None,
-                 quiet: bool = False, totals: Totals | None = None, on_text=None) -> Totals:
+                 quiet: bool = False, totals: Totals | None = None, on_text=None, reuse: bool = False) -> Totals:
     """Serve `reqs` (None items: nothing is waiting now); `emit(req, record)` receives every
     result as soon as it is complete, `on_text(req, piece)` the text as it is final (stop strings
-    cut). `totals` (filled as results come) keeps the count when the run is interrupted."""
+    cut). `totals` (filled as results come) keeps the count when the run is interrupted.
+    `reuse` (`-np 1`): each request reads only what its prompt adds to the KV cache the one
+    before left (a shared system prompt, a conversation's next turn); the run starts cold, so
+    two runs of the same requests see the same caches."""
     totals = totals if totals is not None else Totals()
     model_name = engine.cfg.model
     t0 = time.perf_counter()
@@ -113,7 +116,9 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
 
     try:
         if n_parallel <= 1:
-            _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, on_text, totals)
+            if reuse:
+                engine.kv.reset()
+            _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, on_text, totals, reuse)
             return totals
         from ...schedulers.multi import Job, MultiDecoder
 
@@ -160,7 +165,8 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
         totals.wall = time.perf_counter() - t0
 
 
-def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, on_text, totals) -> None:
+def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, on_text, totals,
+                      reuse: bool = False) -> None:
     """`-np 1`: every method, each request a generation of its own; lookahead requests (and
     auto's) share one trie, so similar requests draft from each other."""
     from ...drafters.lookahead import SharedLookahead
@@ -180,7 +186,7 @@ def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, 
                 if shared is not None:
                     opt = methods.Options(seed=req.sampling.seed, shared=shared, max_branches=engine.cfg.max_branches)
                     drafter = methods.build_drafter(engine, method, opt)
-                gen = engine.start(prompt, req.max_tokens, req.sampling, method, drafter=drafter)
+                gen = engine.start(prompt, req.max_tokens, req.sampling, method, drafter=drafter, reuse=reuse)
                 text = TextStream(engine.target, req.stop)
                 steps = iter(gen)
                 try:
