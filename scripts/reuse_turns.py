@@ -41,6 +41,8 @@ def conversation(engine: Engine, method: str, n: int, reuse: bool) -> list[dict]
         out.append({"ttft_s": round(first[0] - t0, 4), "prompt_s": round(st.t_prompt, 4), "n_prompt": st.n_prompt,
                     "n_cached": st.n_prompt_cached, "n_read": st.n_prompt_eval, "n_out": st.n_generated,
                     "tokens": r.tokens})
+        print(f"  {'after ' if reuse else 'before'} turn {len(out)}: {st.n_prompt} prompt tokens, "
+              f"{st.n_prompt_eval} read in {st.t_prompt:.3f} s, first token after {first[0] - t0:.3f} s", flush=True)
     return out
 
 
