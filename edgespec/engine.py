@@ -87,6 +87,7 @@ class Engine:
         self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet,
                                                tag=",".join(cfg.rpc))
         self._gpu = None  # whether the target runs on a GPU here (asked once, lazily)
+        self.kv.reset()  # the probes' tokens are no conversation to reuse
         self._note_exactness(quiet)
         if not kv_paths_agree(cfg.kv_type) and self.cost.max_exact_rows <= 1 and self.policy == "strict":
             log.warning("with an %s KV cache, llama.cpp's CPU attention takes one kernel for one row and another for "
@@ -105,6 +106,7 @@ class Engine:
                                               cfg.n_gpu_layers_draft, quiet, tag=",".join(cfg.rpc_draft), force=True)
         self.cost = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet,
                                     tag=",".join(cfg.rpc), force=True)
+        self.kv.reset()
 
     def heal_cost(self, quiet: bool = True) -> list[str]:
         """Between generations (never during one: this resets the KV caches): measure again each
@@ -227,21 +229,23 @@ class Engine:
         return methods.build_drafter(self, method, methods.Options(seed=seed, max_branches=self.cfg.max_branches))
 
     def generate(self, prompt: list[int], max_tokens: int, sampling: SamplingConfig,
-                 drafter: Drafter | None = None) -> Generation:
-        return Generation(self, prompt, max_tokens, sampling, drafter=drafter or NullDrafter())
+                 drafter: Drafter | None = None, reuse: bool = False) -> Generation:
+        return Generation(self, prompt, max_tokens, sampling, drafter=drafter or NullDrafter(), reuse=reuse)
 
     def start(self, prompt: list[int], max_tokens: int, sampling: SamplingConfig, method: str,
-              drafter: Drafter | None = None) -> Lifecycle:
+              drafter: Drafter | None = None, reuse: bool = False) -> Lifecycle:
         """A generation by method name: its own scheduler, or the sequential loop with its
-        drafter (`drafter` replaces the one the method would build, e.g. one sharing a trie)."""
+        drafter (`drafter` replaces the one the method would build, e.g. one sharing a trie).
+        `reuse`: read only what the prompt adds to the target's cache (a conversation's next
+        turn); see `Lifecycle._prologue`."""
         m = methods.get(method)
         if m.needs_draft_model and self.draft_ctx is None:
             raise EdgespecError(f"--spec {method} needs a draft model: pass -md MODEL")
         if m.scheduler == "pearl":
             from .schedulers.pearl import PearlGeneration
 
-            return PearlGeneration(self, prompt, max_tokens, sampling, gamma=self.cfg.pearl_gamma)
-        return self.generate(prompt, max_tokens, sampling, drafter or self.make_drafter(method, sampling.seed))
+            return PearlGeneration(self, prompt, max_tokens, sampling, reuse=reuse, gamma=self.cfg.pearl_gamma)
+        return self.generate(prompt, max_tokens, sampling, drafter or self.make_drafter(method, sampling.seed), reuse)
 
     # -- heads ----------------------------------------------------------------------------
 

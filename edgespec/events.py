@@ -29,7 +29,8 @@ class StepEvent:
 
 @dataclass
 class Stats:
-    n_prompt: int = 0
+    n_prompt: int = 0  # prompt tokens, read or found in the cache
+    n_prompt_cached: int = 0  # of them, kept in the KV cache from before (conversation reuse): not read
     t_prompt: float = 0.0
     n_generated: int = 0
     n_steps: int = 0  # target verification steps (one llama_decode each)
@@ -81,6 +82,11 @@ class Stats:
                 setattr(self, f.name, mine + theirs)
 
     @property
+    def n_prompt_eval(self) -> int:
+        """Prompt tokens read (evaluated) by this generation."""
+        return self.n_prompt - self.n_prompt_cached
+
+    @property
     def acceptance_rate(self) -> float:
         return self.n_accept / self.n_drafted if self.n_drafted else 0.0
 
@@ -104,7 +110,8 @@ class Stats:
             acceptance_rate=round(self.acceptance_rate, 4),
             mean_accepted_length=round(self.mean_accepted_length, 4),
             tokens_per_s=round(self.tokens_per_s, 2),
-            prompt_tokens_per_s=round(self.n_prompt / self.t_prompt, 2) if self.t_prompt > 0 else 0.0,
+            n_prompt_eval=self.n_prompt_eval,
+            prompt_tokens_per_s=round(self.n_prompt_eval / self.t_prompt, 2) if self.t_prompt > 0 else 0.0,
             acceptance_by_position=[round(x, 4) for x in self.acceptance_by_position],
             mean_branches=round(self.n_branches / self.n_draft_steps, 3) if self.n_draft_steps else 0.0,
         )
@@ -113,7 +120,9 @@ class Stats:
     def summary(self) -> str:
         s = (
             f"{self.n_generated} tokens in {self.t_gen:.2f}s ({self.tokens_per_s:.1f} tok/s), "
-            f"prompt {self.n_prompt} tokens in {self.t_prompt:.2f}s"
+            f"prompt {self.n_prompt} tokens"
+            + (f" ({self.n_prompt_cached} cached, {self.n_prompt_eval} read)" if self.n_prompt_cached else "")
+            + f" in {self.t_prompt:.2f}s"
         )
         if self.n_drafted:
             s += (

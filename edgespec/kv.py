@@ -16,6 +16,21 @@ from .errors import ContextFullError, EdgespecError
 from .llama import Context
 
 
+def common_prefix(mine: list[int], tokens: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (slice compares run in C)."""
+    lo, hi = 0, min(len(tokens), len(mine))
+    if mine[:hi] == tokens[:hi]:
+        return hi
+    hi -= 1  # the answer is the largest matching length in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mine[:mid] == tokens[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @dataclass
 class TreeLayout:
     """Row bookkeeping of one tree decode."""
@@ -65,19 +80,34 @@ class KVSeq:
         del self.tokens[n:]
 
     def common_prefix(self, tokens: list[int]) -> int:
-        """Length of the longest common prefix of the cache and `tokens` (slice compares run in C)."""
-        mine = self.tokens
-        lo, hi = 0, min(len(tokens), len(mine))
-        if mine[:hi] == tokens[:hi]:
-            return hi
-        hi -= 1  # the answer is the largest matching length in [lo, hi]
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if mine[:mid] == tokens[:mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        """Length of the longest common prefix of the cache and `tokens`."""
+        return common_prefix(self.tokens, tokens)
+
+    def keep_prefix(self, tokens: list[int], limit: int | None = None) -> int:
+        """Keep the cells of the longest common prefix of the cache and `tokens` (at most
+        `limit` of them), drop the rest: a prompt then reads only what follows. Returns the
+        cells kept."""
+        n = self.common_prefix(tokens)
+        if limit is not None:
+            n = max(0, min(n, limit))
+        if n == 0:
+            self.reset()
+        else:
+            self.truncate(n)
+        return n
+
+    def settle(self, tokens: list[int], max_rows: int) -> int:
+        """Make the cache hold exactly `tokens` (a finished generation's committed text but its
+        last token), whatever the drafter left: cells past them are dropped, committed tokens
+        not yet in the cache (re-laid tree nodes) are decoded, at most `max_rows` per decode
+        (rows the exactness probe found bit-identical to one-row decodes). The cache then ends
+        where plain decoding's would, so the next prompt's read does not depend on the drafter.
+        Returns the tokens decoded."""
+        keep = self.keep_prefix(tokens)
+        step = max(1, max_rows)
+        for s in range(keep, len(tokens), step):
+            self.extend(tokens[s : s + step], want_logits=False)
+        return len(tokens) - keep
 
     def sync(self, tokens: list[int]) -> tuple[int, int]:
         """Make the cache hold exactly `tokens` (a drafter's own cache following the committed

@@ -38,6 +38,10 @@ class Lifecycle:
     prompt_hidden: np.ndarray | None = None  # see _prologue
     # asked between the prompt's chunks: True ends the generation there (raises `Cancelled`)
     cancelled: Callable[[], bool] | None = None
+    # Start from the longest common prefix of the prompt and what the target's cache holds (a
+    # conversation's earlier turns, a returning request), reading only the rest; see _prologue.
+    reuse: bool = False
+    _failed: bool = False
 
     def __iter__(self) -> Iterator[StepEvent]:  # pragma: no cover - each scheduler has its own
         raise NotImplementedError
@@ -57,6 +61,11 @@ class Lifecycle:
         """Check the prompt, read it into `kv`'s cache and pick the first token. Returns it and
         the generation's random stream (fresh entropy unless the sampling has a seed).
 
+        With `reuse` the cache keeps its longest common prefix with the prompt and only the rest
+        is read (`stats.n_prompt_cached` counts the kept tokens); the last prompt token is always
+        read again, for its logits. Hidden rows (below) then start at the first token read: a
+        drafter that reads them keeps its own state for the kept prefix (see `observe`).
+
         `hidden` ("last" or "all") keeps the target's hidden states of the prompt's last row or
         of every row in `prompt_hidden` (heads draft from them): the post-norm output, or with
         `taps` the inputs of those layers (EAGLE-3). `on_rows(pos, rows)` is called after each
@@ -72,7 +81,13 @@ class Lifecycle:
         st.finish_reason = "interrupted"
         rng = np.random.default_rng(self.sampling.seed)
         t0 = time.perf_counter()
-        kv.reset()
+        if self.reuse:
+            keep = kv.keep_prefix(self.prompt, len(self.prompt) - 1)
+        else:
+            keep = 0
+            kv.reset()
+        st.n_prompt_cached = keep
+        new = self.prompt[keep:]
         if hidden:
             kv.ctx.set_embeddings(True)
         kv.ctx.set_hidden_taps(taps if hidden else None)
@@ -86,10 +101,10 @@ class Lifecycle:
                     raise Cancelled("the prompt's reading was given up")
         if hidden == "all":
             parts: list[np.ndarray] = []
-            row = kv.extend(self.prompt, on_hidden=lambda h, pos: parts.append(h), on_rows=on_rows)
+            row = kv.extend(new, on_hidden=lambda h, pos: parts.append(h), on_rows=on_rows)
             self.prompt_hidden = np.concatenate(parts)
         else:
-            row = kv.extend(self.prompt, on_rows=on_rows)
+            row = kv.extend(new, on_rows=on_rows)
             if hidden:
                 self.prompt_hidden = kv.ctx.hidden([row])
         first = pick(kv.ctx.logits(row), self.sampling, rng)
@@ -97,6 +112,20 @@ class Lifecycle:
         self.context = list(self.prompt)
         self.t_start = time.perf_counter()
         return first, rng
+
+    def _end_cache(self, kv: KVSeq) -> None:
+        """At the end of the generation (finished, stopped, or failed): with `reuse`, leave the
+        cache holding exactly the committed text but its last token, as plain decoding leaves it
+        whatever the drafter did (see `KVSeq.settle`); after a failure, empty."""
+        if self._failed or not self.context:
+            kv.reset()
+            return
+        if not self.reuse:
+            return
+        try:
+            kv.settle(self.context[:-1], self.engine.max_verify_rows)
+        except Exception:  # never mask how the generation ended; the next prompt reads in full
+            kv.reset()
 
     def _commit(self, step: int, draft: Draft, accepted: list[int], committed: list[int], t_draft: float,
                 t_verify: float, drafter: str, mode: str = "") -> tuple[StepEvent, bool]:

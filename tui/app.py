@@ -209,6 +209,8 @@ class StatsPanel(Static):
         t.append(f"accept   {acc:>4}  mean len {st.mean_accepted_length:.2f}\n")
         t.append(f"tokens   {st.n_generated}  steps {st.n_steps}\n")
         t.append(f"drafted  {st.n_drafted}  accepted {st.n_accept}\n")
+        if st.n_prompt_cached:  # a conversation's turn read only what it added (KV reuse)
+            t.append(f"prompt   {st.n_prompt_eval} read  {st.n_prompt_cached} cached\n")
         busy = st.t_draft + st.t_verify
         if busy > 0:
             share = st.t_draft / busy

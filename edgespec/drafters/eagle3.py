@@ -39,6 +39,7 @@ from .. import llama_ext
 from ..draft import Draft
 from ..errors import EdgespecError, VocabMismatchError
 from ..heads.format import HeadsError
+from ..kv import common_prefix
 from ..llama import DEFAULT_KV, Context, ContextConfig, Model, last_log_error
 from .base import Budget, Calibration, TokenTimed
 from .heads import _top, select
@@ -92,6 +93,9 @@ class Eagle3Runtime:
             self.close()
             raise EdgespecError("cannot allocate a llama_batch_ext for the EAGLE-3 draft")
         self._ids: np.ndarray | None = None  # target ids the draft can propose (finite logits)
+        # the committed text (a generation's context list) whose first n_dec pairs the cache holds
+        self.committed: list[int] | None = None
+        self.n_dec = 0
         self._pos = lc.llama_pos(0)
         self._pos_ref = ctypes.byref(self._pos)
 
@@ -301,8 +305,17 @@ class Eagle3Drafter(TokenTimed):
         self._n_dec = 0  # the draft cache holds the committed pairs of positions 0..n_dec-1
 
     def begin(self, prompt: list[int]) -> None:
-        self.rt.reset()
-        self._g, self._n_dec = [], 0
+        # The draft cache is kept from the engine's last generation where it still holds: pair P
+        # (token P+1, g[P]) depends on the tokens up to P+1 only (a conversation's earlier turns).
+        rt = self.rt
+        j = common_prefix(rt.committed, prompt) if rt.committed is not None else 0
+        keep = max(0, min(rt.n_dec, j - 1))
+        if keep:
+            rt.drop_after(keep)
+        else:
+            rt.reset()
+        rt.committed, rt.n_dec = prompt, keep
+        self._g, self._n_dec = [], keep
         self.t_draft, self.n_draft, self.n_gap = 0.0, 0, 0
 
     def _n_g(self) -> int:
@@ -347,6 +360,7 @@ class Eagle3Drafter(TokenTimed):
             return Draft()
         self._n_dec = n_ctx - 2
         self._g = [g[-1:].copy()]
+        rt.committed, rt.n_dec = context, self._n_dec  # grown in place: the pairs' tokens stay valid
         if len(g) <= 2:
             self._time_token(time.perf_counter() - t0)
         if self.tree and budget.max_branches > 1:

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..draft import Draft
 from ..heads.runtime import EagleHead, MedusaHeads
+from ..kv import common_prefix
 from .base import Budget, Calibration
 
 
@@ -168,7 +169,12 @@ class EagleDrafter(_HeadsDrafter):
 
     def begin(self, prompt: list[int]) -> None:
         super().begin(prompt)
-        self.head.reset()
+        # The head's cache is kept from the engine's last generation where it still holds:
+        # entry i (token i+1, feature i) depends on the tokens up to i+1 only.
+        head = self.head
+        j = common_prefix(head.committed, prompt) if head.committed is not None else 0
+        head.truncate(j - 1)
+        head.committed = prompt
         self._feats, self._pos0 = [], 0
 
     def observe(self, hidden: np.ndarray, pos: int) -> None:
@@ -184,9 +190,19 @@ class EagleDrafter(_HeadsDrafter):
         feats = np.concatenate(self._feats)
         pos0, n = self._pos0, len(feats)
         self._feats = []
-        if head.n + n > head.capacity:
+        if pos0 < head.n:  # rows the cache has from an earlier generation (reuse)
+            feats, pos0 = feats[head.n - pos0 :], head.n
+            n = len(feats)
+            if not n:
+                return Draft()
+        if pos0 + n > head.capacity:
             return Draft()
+        if pos0 > head.n:
+            # Positions the target did not read again (a reused prompt prefix) and this cache
+            # lacks (it followed another generation): zero features only weaken the drafts.
+            head.commit(context[head.n + 1 : pos0 + 1], np.zeros((pos0 - head.n, feats.shape[1]), np.float32), head.n)
         out = head.commit(context[pos0 + 1 : pos0 + 1 + n], feats, pos0)
+        head.committed = context  # grown in place: the entries' tokens stay valid
         if budget.max_nodes <= 0:
             return Draft()
         draft = self._tree(out[-1], pos0 + n, budget)

@@ -157,7 +157,8 @@ class MtpDrafter(TokenTimed):
         self._prompt: list[int] | None = None
         self._target = mtp.target_ctx
         self._nextn(True)  # before the prompt is decoded: its rows are needed too
-        self._reset()
+        # The MTP cache is kept from the engine's last generation: `_sync` keeps its common
+        # prefix with the next prompt (a conversation's earlier turns), rows from 0 start afresh.
 
     # -- the target's rows --------------------------------------------------------------------
 

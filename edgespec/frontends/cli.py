@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "or output is not a terminal: one prompt per input line, replies on stdout.")
     c.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=512, help="most tokens per reply (default: %(default)s)")
     c.add_argument("--system", default=None, help="system message")
+    c.add_argument("--no-reuse", dest="reuse", action="store_false",
+                   help="read the whole conversation again every turn (default: the KV cache keeps it, and a turn "
+                        "reads only what it adds)")
     _add_model_args(c)
     _add_spec_args(c)
     _add_sampling_args(c)
@@ -146,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "their old lines are removed (by default every line counts as done)")
     bt.add_argument("--compare", action="store_true",
                     help="then run the same requests with --spec none (not written) and report the speedup")
+    bt.add_argument("--reuse", action="store_true",
+                    help="with -np 1: each request reads only what its prompt adds to the KV cache the request before "
+                         "left (a shared system prompt, a conversation's next turn)")
     bt.add_argument("--stats", default=None, metavar="FILE", help="write the summary as JSON to FILE")
     bt.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_model_args(bt)
@@ -424,7 +430,7 @@ def cmd_chat(a) -> int:
 
         cfg = replace(cfg, max_branches=8)
     engine = Engine(cfg, quiet=not interactive)
-    session = ChatSession(engine, a.spec, _sampling(a), a.n_predict, a.system)
+    session = ChatSession(engine, a.spec, _sampling(a), a.n_predict, a.system, reuse=a.reuse)
     if interactive:
         try:
             from edgespec.tui.app import run_app

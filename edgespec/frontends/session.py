@@ -35,6 +35,8 @@ class ChatSession:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_tokens: int = 512
     system: str | None = None
+    # read only what a turn adds: the target's cache keeps the conversation (Lifecycle.reuse)
+    reuse: bool = True
     messages: list[dict] = field(default_factory=list)
     total: Stats = field(default_factory=Stats)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -88,20 +90,25 @@ class ChatSession:
             raise ContextFullError(
                 f"the conversation ({len(prompt)} tokens) fills the context of {self.engine.ctx.n_ctx} tokens: clear it"
             )
-        gen = self.engine.start(prompt, min(self.max_tokens, room - 1), self.sampling, self.method)
+        gen = self.engine.start(prompt, min(self.max_tokens, room - 1), self.sampling, self.method, reuse=self.reuse)
         stream = TextStream(self.engine.target)
         text, flags = [], []
         stopped = False
-        for ev in gen:
-            piece = stream.feed(ev.tokens)
-            text.append(piece)
-            flags.extend(ev.from_draft)
-            if on_event is not None:
-                on_event(ev, piece)
-            if self._stop.is_set():
-                stopped = True
-                gen.stats.finish_reason = "interrupted"
-                break
+        steps = iter(gen)
+        try:
+            for ev in steps:
+                piece = stream.feed(ev.tokens)
+                text.append(piece)
+                flags.extend(ev.from_draft)
+                if on_event is not None:
+                    on_event(ev, piece)
+                if self._stop.is_set():
+                    stopped = True
+                    break
+        finally:
+            steps.close()  # the generation ends here (its cache is left for the next turn), not at GC
+        if stopped:
+            gen.stats.finish_reason = "interrupted"
         text.append(stream.flush())
         reply = Reply("".join(text), list(gen.tokens), flags, gen.stats, self.method, stopped)
         # a stopped reply is kept: the user sees it, and the next turn builds on it

@@ -143,6 +143,7 @@ class EagleHead:
         self.k_cache = np.zeros((capacity, self.n_kv, self.hd), np.float32)
         self.v_cache = np.zeros((capacity, self.n_kv, self.hd), np.float32)
         self.n = 0
+        self.committed: list[int] | None = None  # the text whose first n entries the cache holds
 
     def embed(self, tokens) -> np.ndarray:
         if self._embd is not None:
@@ -151,6 +152,11 @@ class EagleHead:
 
     def reset(self) -> None:
         self.n = 0
+        self.committed = None
+
+    def truncate(self, n: int) -> None:
+        """Keep the first `n` entries (the prefix a new generation shares with the last)."""
+        self.n = max(0, min(self.n, n))
 
     def probs(self, out: np.ndarray) -> np.ndarray:
         """Probabilities over the draft vocabulary from the layer's output features."""

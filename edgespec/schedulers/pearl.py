@@ -236,6 +236,11 @@ class PearlGeneration(Lifecycle):
                 st.n_post += mode == "post"
                 ev, done = self._commit(step, draft, accepted, committed, t_wait, t_verify, "pearl", mode)
                 yield ev
+        except GeneratorExit:  # stopped by the reader: the cache is consistent
+            raise
+        except BaseException:
+            self._failed = True
+            raise
         finally:
             st.t_gen = time.perf_counter() - self.t_start
             worker.stop()
@@ -246,6 +251,7 @@ class PearlGeneration(Lifecycle):
             st.t_draft_busy = worker.t_busy
             # drafting the target did not wait for ran behind verification
             st.t_draft_hidden = max(0.0, worker.t_busy - st.t_draft)
+            self._end_cache(kv)
 
     def _verify(self, kv: KVSeq, pending, draft: Draft, carry, rng):
         """Verify a chain. With `carry` (the target's verdict for the next position, from the

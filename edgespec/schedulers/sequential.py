@@ -90,6 +90,12 @@ class Generation(Lifecycle):
                 t3 = time.perf_counter()
                 t_draft, t_verify = t2 - t1, t3 - t2
                 accept(draft, accepted, committed)
+        except GeneratorExit:  # stopped by the reader: the cache is consistent
+            raise
+        except BaseException:
+            self._failed = True
+            raise
         finally:
             st.t_gen = time.perf_counter() - self.t_start if self.t_start else 0.0
             self.drafter.end()
+            self._end_cache(kv)

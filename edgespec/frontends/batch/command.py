@@ -114,7 +114,8 @@ def run_batch(a, engine_cfg) -> int:
                 prog.update(task, advance=1, info=info())
 
             try:
-                run_requests(engine, todo, a.spec, a.parallel, emit, on_step, totals=totals)
+                run_requests(engine, todo, a.spec, a.parallel, emit, on_step, totals=totals,
+                             reuse=getattr(a, "reuse", False))
             except KeyboardInterrupt:
                 interrupted = True
     finally:
@@ -126,7 +127,9 @@ def run_batch(a, engine_cfg) -> int:
         + (f", {skipped} already done" if skipped else "")
         + (f", {len(todo) - totals.ok - totals.failed} not run: interrupted" if interrupted else "")
         + f"), -np {a.parallel}, --spec {a.spec}",
-        f"tokens: {totals.tokens_in} in, {totals.tokens_out} out; wall {totals.wall:.1f} s "
+        f"tokens: {totals.tokens_in} in"
+        + (f" ({totals.tokens_cached} of them cached)" if totals.tokens_cached else "")
+        + f", {totals.tokens_out} out; wall {totals.wall:.1f} s "
         f"({totals.t_prompt:.1f} s reading prompts); {totals.throughput:.1f} tokens/s out, "
         f"{totals.decode_throughput:.1f} while generating",
     ]
@@ -170,7 +173,8 @@ def run_batch(a, engine_cfg) -> int:
 def _compare(engine, todo: list[Request], a, spec: Totals) -> dict:
     """The same requests again without speculation (results not written)."""
     print(f"edgespec: --compare: running the {len(todo)} requests again with --spec none", file=sys.stderr)
-    base = run_requests(engine, todo, "none", a.parallel, lambda req, rec: None, quiet=True)
+    base = run_requests(engine, todo, "none", a.parallel, lambda req, rec: None, quiet=True,
+                        reuse=getattr(a, "reuse", False))
     greedy = [r.custom_id for r in todo if r.error is None and r.sampling.greedy and r.custom_id in base.outputs]
     same = sum(1 for c in greedy if spec.outputs.get(c) == base.outputs[c])
     d = base.to_dict()

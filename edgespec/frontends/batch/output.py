@@ -29,7 +29,8 @@ def ok_record(req: Request, text: str, finish: str, st: Stats, model: str, metho
             "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
         }
-    body["usage"] = {"prompt_tokens": st.n_prompt, "completion_tokens": n_out, "total_tokens": st.n_prompt + n_out}
+    body["usage"] = {"prompt_tokens": st.n_prompt, "completion_tokens": n_out, "total_tokens": st.n_prompt + n_out,
+                     "prompt_tokens_details": {"cached_tokens": st.n_prompt_cached}}
     body["speculative"] = {
         "method": method, "drafter": drafter, "steps": st.n_steps, "drafted_tokens": st.n_drafted,
         "accepted_tokens": st.n_accept, "acceptance_rate": round(st.acceptance_rate, 4),

@@ -35,6 +35,7 @@ class Totals:
         self.stats.merge(st)
 
     tokens_in = property(lambda self: self.stats.n_prompt)
+    tokens_cached = property(lambda self: self.stats.n_prompt_cached)  # of tokens_in, found in the KV cache
     tokens_out = property(lambda self: self.stats.n_generated)
     drafted = property(lambda self: self.stats.n_drafted)
     accepted = property(lambda self: self.stats.n_accept)
@@ -55,6 +56,7 @@ class Totals:
         st = self.stats
         return {
             "requests": self.ok + self.failed, "ok": self.ok, "failed": self.failed, "tokens_in": self.tokens_in,
+            "tokens_in_cached": self.tokens_cached,
             "tokens_out": self.tokens_out, "wall_s": round(self.wall, 3), "tokens_per_s": round(self.throughput, 2),
             "prompt_s": round(self.t_prompt, 3), "decode_tokens_per_s": round(self.decode_throughput, 2),
             "drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": round(st.acceptance_rate, 4),
@@ -69,10 +71,13 @@ def _finish_reason(st: Stats, text: TextStream, req: Request) -> str:
 
 
 def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel: int, emit, on_step=None,
-                 quiet: bool = False, totals: Totals | None = None, on_text=None) -> Totals:
+                 quiet: bool = False, totals: Totals | None = None, on_text=None, reuse: bool = False) -> Totals:
     """Serve `reqs` (None items: nothing is waiting now); `emit(req, record)` receives every
     result as soon as it is complete, `on_text(req, piece)` the text as it is final (stop strings
-    cut). `totals` (filled as results come) keeps the count when the run is interrupted."""
+    cut). `totals` (filled as results come) keeps the count when the run is interrupted.
+    `reuse` (`-np 1`): each request reads only what its prompt adds to the KV cache the one
+    before left (a shared system prompt, a conversation's next turn); the run starts cold, so
+    two runs of the same requests see the same caches."""
     totals = totals if totals is not None else Totals()
     model_name = engine.cfg.model
     t0 = time.perf_counter()
@@ -114,7 +119,9 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
 
     try:
         if n_parallel <= 1:
-            _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, on_text, totals)
+            if reuse:
+                engine.kv.reset()
+            _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, on_text, totals, reuse)
             return totals
         from ...schedulers.multi import Job, MultiDecoder
 
@@ -167,7 +174,8 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
         totals.wall = time.perf_counter() - t0
 
 
-def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, on_text, totals) -> None:
+def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, on_text, totals,
+                      reuse: bool = False) -> None:
     """`-np 1`: every method, each request a generation of its own; lookahead requests (and
     auto's) with the same `share` draft from one trie, so similar requests draft from each
     other; a request without one has its own trie. The draft model's cache (which keeps the
@@ -189,7 +197,10 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
                 continue
             totals.active = 1
             own = None
-            if engine.draft_kv is not None and (req.share is None or req.share != last_share):
+            # the caches (the target's, read from where the last prompt left it with `reuse`; the
+            # draft model's) carry over only between requests of one share (one API key)
+            same = req.share is not None and req.share == last_share
+            if engine.draft_kv is not None and not same:
                 engine.draft_kv.reset()
             last_share = req.share
             try:
@@ -204,7 +215,8 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
                             shared = pools[req.share] = SharedLookahead(path, engine.target.is_eog)
                     opt = methods.Options(seed=req.sampling.seed, shared=shared, max_branches=engine.cfg.max_branches)
                     drafter = methods.build_drafter(engine, method, opt)
-                gen = engine.start(prompt, req.max_tokens, req.sampling, method, drafter=drafter)
+                gen = engine.start(prompt, req.max_tokens, req.sampling, method, drafter=drafter,
+                                   reuse=reuse and same)
                 gen.cancelled = lambda: req.cancelled
                 text = TextStream(engine.target, req.stop)
                 steps = iter(gen)
