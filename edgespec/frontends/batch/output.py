@@ -203,6 +203,10 @@ def failure(e: BaseException) -> RequestError:
     """The error line of a request whose serving raised `e`."""
     if isinstance(e, ContextFullError):
         return RequestError(str(e), "context_length_exceeded", 400)
+    from ...rows import GrammarError
+
+    if isinstance(e, GrammarError):
+        return RequestError(str(e), "invalid_grammar", 400)
     if isinstance(e, EdgespecError):
         return RequestError(str(e), "failed", 500)
     return RequestError(f"internal error while serving this request: {type(e).__name__}: {e}", "failed", 500)

@@ -23,6 +23,18 @@ from ..batch.requests import Defaults, Request
 from ..schema import CHAT_URL, TEXT_URL, RequestError
 from .worker import Sink, Worker
 
+
+def check_grammar(engine, grammar: str | None) -> None:
+    """A grammar llama.cpp cannot parse (or the vocabulary cannot spell) is the request's 400."""
+    if grammar is None:
+        return
+    from ...rows import Grammar, GrammarError
+
+    try:
+        Grammar(engine.target, grammar).close()
+    except GrammarError as e:
+        raise RequestError(str(e), "invalid_grammar") from None
+
 log = logging.getLogger(__name__)
 
 MAX_BODY = 4 * 1024 * 1024  # bytes of a request body (a prompt that fills a 32k context is ~130 kB)
@@ -172,6 +184,7 @@ class Server:
         if len(toks) >= eng.n_ctx_seq:
             raise RequestError(f"the prompt is {len(toks)} tokens; a sequence's context holds {eng.n_ctx_seq} "
                                "(the server's -c)", "context_length_exceeded")
+        check_grammar(eng, req.sampling.grammar)
         return toks
 
     async def _result(self, request: HTTPRequest, req: Request) -> dict | None:
