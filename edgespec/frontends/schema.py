@@ -105,11 +105,18 @@ class _Body(BaseModel):
     service_tier: StrictStr | None = None
     parallel_tool_calls: StrictBool | None = None
     reasoning_effort: StrictStr | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[StrictStr, dict, None] = None
 
     @model_validator(mode="after")
     def _supported(self):
         if self.n not in (None, 1):
             raise PydanticCustomError("unsupported", "only n=1 is supported")
+        if self.tools:
+            raise PydanticCustomError("unsupported", "tools are not supported yet (an empty list or null is accepted)")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise PydanticCustomError("unsupported", "tool_choice needs tools, which are not supported yet "
+                                                     "(null, \"none\" and \"auto\" are accepted)")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is not None and (len(stops) > MAX_STOPS or not all(stops)):
             raise PydanticCustomError("invalid_request",
@@ -194,6 +201,8 @@ _RULES = {
     "service_tier": "must be a string",
     "parallel_tool_calls": "must be true or false",
     "reasoning_effort": "must be a string",
+    "tools": "must be a list of tools (none are supported yet: send null or [])",
+    "tool_choice": "must be null, \"none\" or \"auto\" (tools are not supported yet)",
     "messages": "must be a non-empty list of {role, content}",
     "prompt": "must be a string",
 }

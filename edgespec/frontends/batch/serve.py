@@ -15,7 +15,7 @@ from ... import methods
 from ...errors import EdgespecError
 from ...events import Stats
 from ...text import TextStream
-from .output import error_record, failure, ok_record
+from .output import error_record, failure, logprobs_body, ok_record
 from .requests import CHAT_URL, Request, RequestError
 
 @dataclass
@@ -68,11 +68,24 @@ def _finish_reason(st: Stats, text: TextStream, req: Request) -> str:
     return "stop" if text.hit or st.finish_reason == "stop" else "length"
 
 
+def _started_before(target, tokens: list[int], nbytes: int) -> int:
+    """How many of `tokens` start within the first `nbytes` bytes of their text."""
+    n = pos = 0
+    for t in tokens:
+        if pos >= nbytes:
+            break
+        pos += len(target.piece(t))
+        n += 1
+    return n
+
+
 def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel: int, emit, on_step=None,
-                 quiet: bool = False, totals: Totals | None = None, on_text=None) -> Totals:
+                 quiet: bool = False, totals: Totals | None = None, on_text=None, on_logprobs=None) -> Totals:
     """Serve `reqs` (None items: nothing is waiting now); `emit(req, record)` receives every
     result as soon as it is complete, `on_text(req, piece)` the text as it is final (stop strings
-    cut). `totals` (filled as results come) keeps the count when the run is interrupted."""
+    cut), `on_logprobs(req, entries)` just before it the log-probabilities of the tokens that text
+    starts (requests that ask for them). `totals` (filled as results come) keeps the count when the
+    run is interrupted."""
     totals = totals if totals is not None else Totals()
     model_name = engine.cfg.model
     t0 = time.perf_counter()
@@ -100,18 +113,41 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
             fail(req, failure(e))
         return None
 
+    sent: dict[int, int] = {}  # id(request) -> logprob entries handed to on_logprobs
+
+    def release(req: Request, gen, text: TextStream) -> int:
+        """Hand on the logprobs of the tokens the released text starts; the count released."""
+        if req.sampling.logprobs is None:
+            return 0
+        n = _started_before(engine.target, gen.tokens, len(text.given.encode("utf-8")))
+        done = sent.get(id(req), 0)
+        if on_logprobs is not None and n > done:
+            offset = len(engine.target.detokenize(gen.tokens[:done])) if done else 0
+            on_logprobs(req, logprobs_body(engine.target, gen.logprobs[done:n], req.url == CHAT_URL, offset))
+        sent[id(req)] = n
+        return n
+
+    def step_text(req: Request, gen, text: TextStream, piece: str) -> None:
+        if on_text and piece:
+            release(req, gen, text)
+            on_text(req, piece)
+
     def finished(req: Request, gen, text: TextStream) -> None:
         rest = text.flush()
+        n = release(req, gen, text)
+        sent.pop(id(req), None)
         if on_text and rest:
             on_text(req, rest)
         totals.add(gen.stats)
         totals.outputs[req.custom_id] = list(gen.tokens)
+        lp = (logprobs_body(engine.target, gen.logprobs[:n], req.url == CHAT_URL)
+              if req.sampling.logprobs is not None else None)
         emit(req, ok_record(req, text.final(), _finish_reason(gen.stats, text, req), gen.stats, model_name, method,
-                            gen.drafter_name))
+                            gen.drafter_name, lp))
 
     try:
         if n_parallel <= 1:
-            _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, on_text, totals)
+            _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, step_text, totals)
             return totals
         from ...schedulers.multi import Job, MultiDecoder
 
@@ -138,9 +174,7 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
                         text = texts[id(g.job)] = TextStream(engine.target, req.stop)
                     if on_step:
                         on_step(x)
-                    piece = text.feed(x.tokens)
-                    if on_text and piece:
-                        on_text(req, piece)
+                    step_text(req, g, text, text.feed(x.tokens))
                     if text.hit or req.cancelled:
                         g.stop()
                 elif kind == "done":
@@ -158,7 +192,7 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
         totals.wall = time.perf_counter() - t0
 
 
-def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, on_text, totals) -> None:
+def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, step_text, totals) -> None:
     """`-np 1`: every method, each request a generation of its own; lookahead requests (and
     auto's) share one trie, so similar requests draft from each other."""
     from ...drafters.lookahead import SharedLookahead
@@ -185,9 +219,7 @@ def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, 
                     for ev in steps:
                         if on_step:
                             on_step(ev)
-                        piece = text.feed(ev.tokens)
-                        if on_text and piece:
-                            on_text(req, piece)
+                        step_text(req, gen, text, text.feed(ev.tokens))
                         if text.hit or req.cancelled:
                             break
                 finally:

@@ -221,12 +221,16 @@ class Server:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
+        logprobs = None  # of the next text chunk
+
         def chunk(piece: str | None, finish: str | None = None, first: bool = False, **extra) -> str:
+            nonlocal logprobs
+            lp, logprobs = logprobs, None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else {} if piece is None else {"content": piece}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": finish}
             d = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice], **extra}
             return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
 
@@ -236,6 +240,9 @@ class Server:
                 yield chunk(None, first=True)
             while True:
                 kind, x = await req.sink.queue.get()
+                if kind == "logprobs":
+                    logprobs = x
+                    continue
                 if kind == "text":
                     yield chunk(x)
                     continue
