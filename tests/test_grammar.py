@@ -235,3 +235,19 @@ def test_sampled_constrained_output_is_the_constrained_distribution(forced_pair,
         samples.append(tuple(g.tokens))
     p = gof(samples, expected)
     assert p > ALPHA, f"{method}: chi-square p = {p:.3g} over {N} completions ({Counter(samples).most_common(4)})"
+
+
+def test_cli_grammar_file_and_json_schema(tmp_path, capsys):
+    from edgespec.frontends.cli import main
+
+    assert main(["run", "--json-schema", "no-such-file.json", "-p", "x"]) != 0
+    assert "--json-schema no-such-file.json" in capsys.readouterr().err
+    assert main(["run", "--json-schema", '{"type": "object", "properties": {"a": {"$ref": "https://x/y"}}}',
+                 "-p", "x"]) != 0
+    assert "JSON schema" in capsys.readouterr().err
+    g = tmp_path / "yes.gbnf"
+    g.write_text('root ::= "Yes, " ("red" | "blue") "."\n')
+    assert main(["run", "-m", "smollm2-135m-instruct:q4_0", "-c", "512", "-t", "2", "--spec", "lookahead",
+                 "--grammar-file", str(g), "-p", "Pick a colour.", "-n", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] in ("Yes, red.", "Yes, blue.") and out["stats"]["finish_reason"] == "stop"
