@@ -60,7 +60,7 @@ def test_parse_openai_lines_and_bare_lines():
     ({"custom_id": "a", "body": {"prompt": "p", "max_tokens": 0}}, "invalid_request", "max_tokens"),
     ({"custom_id": "a", "body": {"prompt": "p", "temperature": -1}}, "invalid_request", "temperature"),
     ({"custom_id": "a", "body": {"prompt": "p", "temperature": "hot"}}, "invalid_request", "temperature"),
-    ({"custom_id": "a", "body": {"prompt": "p", "n": 2}}, "unsupported", "n=1"),
+    ({"custom_id": "a", "body": {"prompt": "p", "n": 0}}, "invalid_request", "n must be"),
     ({"custom_id": "a", "body": {"prompt": "p", "stream": True}}, "unsupported", "stream"),
     ({"custom_id": "a", "body": {"prompt": "p", "stop": [1]}}, "invalid_request", "stop"),
     ({"custom_id": "a", "body": {"prompt": "p", "presence_penalty": 2.5}}, "invalid_request", "presence_penalty"),

@@ -191,7 +191,7 @@ def test_api_key_is_required_but_not_for_health(srv):
     (b'{"prompt": "hi", "bogus": 1}', 400, "unknown_field", "'bogus'"),
     (b'{"prompt": "hi", "max_tokens": "ten"}', 400, "invalid_request", "max_tokens"),
     (b'{"prompt": "hi", "temperature": 9}', 400, "invalid_request", "temperature"),
-    (b'{"prompt": "hi", "n": 3}', 400, "unsupported", "n=1"),
+    (b'{"prompt": "hi", "n": 17}', 400, "invalid_request", "n must be"),
     (b'{"prompt": ["a", "b"]}', 400, "invalid_request", "prompt"),
     (b'{"prompt": "hi", "stream": "yes"}', 400, "invalid_request", "stream"),
     (b'{"prompt": "\\ud800"}', 400, "invalid_request", "surrogate"),
@@ -440,3 +440,19 @@ def test_sixteen_stop_strings_and_ignored_fields(srv):
     bad = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                      json={"prompt": "hi", "stop": stops + ["one more"]})
     assert bad.status_code == 400 and "up to 16" in bad.json()["error"]["message"]
+
+
+def test_n_choices_are_that_many_sequences(srv):
+    c = srv.client()
+    msg = CHATS[1]
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": msg}], max_tokens=N_TOKENS, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert all(ch.message.content == srv.ref[msg] for ch in r.choices)  # greedy: the same answer twice
+    one = c.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=5)
+    two = c.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=5,
+                               n=3)
+    assert len(two.choices) == 3 and two.choices[0].text == one.choices[0].text  # choice i draws with seed + i
+    assert two.usage.completion_tokens >= 3
+    bad = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"prompt": "hi", "n": 2, "stream": True})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported"

@@ -20,6 +20,7 @@ from ..sampling import MAX_TOP_LOGPROBS, SamplingConfig, SamplingError, make_sam
 CHAT_URL, TEXT_URL = "/v1/chat/completions", "/v1/completions"
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 16
+MAX_N = 16  # choices per request (each its own sequence)
 # Fields clients send that change nothing here: accepted and ignored (README, serve section).
 IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "user")
 
@@ -110,8 +111,10 @@ class _Body(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.n not in (None, 1):
-            raise PydanticCustomError("unsupported", "only n=1 is supported")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise PydanticCustomError("invalid_request", f"n must be an integer from 1 to {MAX_N}")
+        if (self.n or 1) > 1 and self.stream:
+            raise PydanticCustomError("unsupported", "n > 1 is not streamed yet: send stream false")
         if self.tools:
             raise PydanticCustomError("unsupported", "tools are not supported yet (an empty list or null is accepted)")
         if self.tool_choice not in (None, "none", "auto"):
@@ -185,7 +188,7 @@ _RULES = {
     "min_p": "must be a number in [0, 1] (0: off)",
     "seed": "must be an integer, non-negative, or -1 for a random seed",
     "stop": f"must be a non-empty string or a list of up to {MAX_STOPS} of them",
-    "n": "must be 1",
+    "n": "must be an integer from 1 to 16",
     "stream": "must be true or false",
     "stream_options": "must be an object {\"include_usage\": true|false}",
     "user": "must be a string",

@@ -63,7 +63,7 @@ class Totals:
 
 
 def _finish_reason(st: Stats, text: TextStream, req: Request) -> str:
-    if req.cancelled:
+    if _cancelled(req):
         return "cancelled"
     return "stop" if text.hit or st.finish_reason == "stop" else "length"
 
@@ -79,6 +79,60 @@ def _started_before(target, tokens: list[int], nbytes: int) -> int:
     return n
 
 
+def _cancelled(req: Request) -> bool:
+    return req.cancelled or (req.parent is not None and req.parent.cancelled)
+
+
+def expand_choices(reqs: Iterable[Request | None], emit):
+    """Requests with n > 1 as n requests of one choice each (seeds seed, seed+1, ...: each choice
+    its own draw), and an `emit` that answers the request once all of its choices are done: one
+    record with n choices and the usage and speculative counts summed."""
+    from dataclasses import replace
+
+    groups: dict[int, list] = {}
+
+    def source():
+        for req in reqs:
+            if req is None or req.n <= 1 or req.error is not None:
+                yield req
+                continue
+            groups[id(req)] = [None] * req.n
+            for i in range(req.n):
+                seed = req.sampling.seed
+                yield replace(req, n=1, index=i, parent=req,
+                              sampling=replace(req.sampling, seed=None if seed is None else seed + i))
+
+    def emit_choice(req: Request, rec: dict) -> None:
+        if req.parent is None:
+            emit(req, rec)
+            return
+        parent = req.parent
+        got = groups.get(id(parent))
+        if got is None:  # an earlier choice failed: the request was answered with its error
+            return
+        got[req.index] = rec
+        if rec["error"] is not None:
+            del groups[id(parent)]
+            emit(parent, {**rec, "custom_id": parent.custom_id})
+            return
+        if any(r is None for r in got):
+            return
+        del groups[id(parent)]
+        body = dict(got[0]["response"]["body"])
+        bodies = [r["response"]["body"] for r in got]
+        body["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+        u = body["usage"] = dict(body["usage"])
+        u["completion_tokens"] = sum(b["usage"]["completion_tokens"] for b in bodies)
+        u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+        sp = body["speculative"] = dict(body["speculative"])
+        for k in ("steps", "drafted_tokens", "accepted_tokens"):
+            sp[k] = sum(b["speculative"][k] for b in bodies)
+        sp["acceptance_rate"] = round(sp["accepted_tokens"] / sp["drafted_tokens"], 4) if sp["drafted_tokens"] else 0.0
+        emit(parent, {**got[0], "response": {**got[0]["response"], "body": body}})
+
+    return source(), emit_choice
+
+
 def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel: int, emit, on_step=None,
                  quiet: bool = False, totals: Totals | None = None, on_text=None, on_logprobs=None) -> Totals:
     """Serve `reqs` (None items: nothing is waiting now); `emit(req, record)` receives every
@@ -88,6 +142,7 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
     run is interrupted."""
     totals = totals if totals is not None else Totals()
     model_name = engine.cfg.model
+    reqs, emit = expand_choices(reqs, emit)
     t0 = time.perf_counter()
 
     def fail(req: Request, err: RequestError) -> None:
@@ -175,7 +230,7 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
                     if on_step:
                         on_step(x)
                     step_text(req, g, text, text.feed(x.tokens))
-                    if text.hit or req.cancelled:
+                    if text.hit or _cancelled(req):
                         g.stop()
                 elif kind == "done":
                     totals.active -= 1
@@ -220,7 +275,7 @@ def _serve_one_by_one(engine, reqs, method, fail, tokens_of, finished, on_step, 
                         if on_step:
                             on_step(ev)
                         step_text(req, gen, text, text.feed(ev.tokens))
-                        if text.hit or req.cancelled:
+                        if text.hit or _cancelled(req):
                             break
                 finally:
                     steps.close()
