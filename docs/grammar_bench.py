@@ -1,4 +1,4 @@
-"""(issue 38's closing note; run: python docs/grammar_bench.py [MODEL] [REPEATS] [json])
+"""(issue 38's closing note; run: python docs/grammar_bench.py [MODEL] [REPEATS] [json] [PROMPT_IDS])
 Constrained JSON generation, plain (--spec none) vs lookahead, side by side: each prompt with
 its schema, both methods alternated per repeat, outputs checked equal; tokens/s of generation."""
 import json, sys, time
@@ -25,6 +25,7 @@ CASES = [
                  "paper napkins packs at 0.99. Order A-104: 2 blue mugs at 4.50 each. Order A-105: 1 toaster at 24.00."}],
      ORDERS),
 ]
+CASES = [c for c in CASES if len(sys.argv) <= 4 or c[0] in sys.argv[4].split(",")]
 model = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m-instruct:q4_0"
 repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 eng = Engine(EngineConfig(model=model, n_ctx=2048, max_branches=8))
