@@ -19,7 +19,9 @@ from .draft import Draft
 from .errors import Cancelled, ContextFullError, EdgespecError
 from .events import Stats, StepEvent
 from .kv import KVSeq
-from .sampling import SamplingConfig, pick
+from .rows import Shaper
+from .sampling import SamplingConfig
+from .verify import verify_step
 
 
 @dataclass
@@ -42,6 +44,13 @@ class Lifecycle:
     # conversation's earlier turns, a returning request), reading only the rest; see _prologue.
     reuse: bool = False
     _failed: bool = False
+    # the rows' shaping (grammar, penalties, logit bias) and logprobs, per generation (rows.Shaper)
+    shaper: Shaper | None = None
+
+    @property
+    def logprobs(self) -> list[tuple]:
+        """(token, logprob, ((token, logprob), ...)) per generated token, when the sampling asks."""
+        return self.shaper.logprobs if self.shaper is not None else []
 
     def __iter__(self) -> Iterator[StepEvent]:  # pragma: no cover - each scheduler has its own
         raise NotImplementedError
@@ -80,6 +89,7 @@ class Lifecycle:
         st.n_prompt = len(self.prompt)
         st.finish_reason = "interrupted"
         rng = np.random.default_rng(self.sampling.seed)
+        self.shaper = Shaper.build(self.engine.target, self.sampling)
         t0 = time.perf_counter()
         if self.reuse:
             keep = kv.keep_prefix(self.prompt, len(self.prompt) - 1)
@@ -107,7 +117,7 @@ class Lifecycle:
             row = kv.extend(new, on_rows=on_rows)
             if hidden:
                 self.prompt_hidden = kv.ctx.hidden([row])
-        first = pick(kv.ctx.logits(row), self.sampling, rng)
+        first = verify_step(Draft(), lambda n: kv.ctx.logits(row), self.sampling, rng, self.shaper)[1]
         st.t_prompt = time.perf_counter() - t0
         self.context = list(self.prompt)
         self.t_start = time.perf_counter()
@@ -140,14 +150,21 @@ class Lifecycle:
 
 
 def clip(gen: Lifecycle, committed: list[int]) -> tuple[list[int], bool]:
-    """Cut a step's tokens at end-of-generation or the token limit; True when the generation is over."""
+    """Cut a step's tokens at end-of-generation, the grammar's end or the token limit; True when
+    the generation is over. Each kept token advances the shaper (grammar, penalties)."""
     out: list[int] = []
     is_eog = gen.engine.target.is_eog
+    shaper = gen.shaper
     for t in committed:
         if is_eog(t):
             gen.stats.finish_reason = "stop"
             return out, True
         out.append(t)
+        if shaper is not None:
+            shaper.commit(t)
+            if shaper.finished:  # nothing but the end can follow: no step to spend on it
+                gen.stats.finish_reason = "stop"
+                return out, True
         if len(gen.tokens) + len(out) >= gen.max_tokens:
             gen.stats.finish_reason = "length"
             return out, True

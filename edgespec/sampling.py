@@ -24,6 +24,14 @@ class SamplingConfig:
     top_p: float = 0.95  # >= 1: off
     min_p: float = 0.05  # <= 0: off
     seed: int | None = None
+    # What shapes the target's distribution beyond the warp (edgespec.rows): a GBNF grammar the
+    # output must follow, OpenAI's presence/frequency penalties over the generated tokens, a
+    # bias per token id; and how many top log-probabilities to report per token (None: none).
+    grammar: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -34,9 +42,15 @@ class SamplingError(EdgespecError):
     """A sampling setting out of range (the CLI and batch lines share this check)."""
 
 
-def make_sampling(temp=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=None) -> SamplingConfig:
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+
+
+def make_sampling(temp=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=None, grammar=None, presence_penalty=0.0,
+                  frequency_penalty=0.0, logit_bias=None, logprobs=None) -> SamplingConfig:
     """Validated settings, as the command line and request bodies give them. `seed` -1 (as in
-    llama.cpp) or None means fresh randomness for every run."""
+    llama.cpp) or None means fresh randomness for every run. `logit_bias` maps token ids to a
+    bias in [-100, 100] (OpenAI's range; -100 bans the token); `logprobs` is the number of top
+    alternatives reported per token (0: only the chosen token's), at most 20."""
 
     def num(x) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -56,7 +70,23 @@ def make_sampling(temp=0.0, top_k=40, top_p=0.95, min_p=0.05, seed=None) -> Samp
         raise SamplingError("seed must be an integer, non-negative, or -1 for a random seed")
     if seed == RANDOM_SEED:
         seed = None
-    return SamplingConfig(float(temp), int(top_k), float(top_p), float(min_p), seed)
+    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not num(v) or not -2 <= v <= 2:
+            raise SamplingError(f"{name} must be a number in [-2, 2]")
+    bias: list[tuple[int, float]] = []
+    for k, v in (logit_bias or {}).items():
+        tok = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+        if not integer(tok) or tok < 0:
+            raise SamplingError(f"logit_bias keys must be token ids, not {k!r}")
+        if not num(v) or not -100 <= v <= 100:
+            raise SamplingError(f"logit_bias[{k}] must be a number in [-100, 100]")
+        bias.append((tok, float(v)))
+    if logprobs is not None and (not integer(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise SamplingError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if grammar is not None and (not isinstance(grammar, str) or not grammar.strip()):
+        raise SamplingError("the grammar is empty")
+    return SamplingConfig(float(temp), int(top_k), float(top_p), float(min_p), seed, grammar,
+                          float(presence_penalty), float(frequency_penalty), tuple(sorted(bias)), logprobs)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

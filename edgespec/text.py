@@ -32,6 +32,11 @@ class TextStream:
                 self.hit = True
         return self._give(len(self.text) if self.hit else len(self.text) - self._hold)
 
+    @property
+    def given(self) -> str:
+        """The text returned so far (by `feed` and `flush`)."""
+        return self.text[: self._given]
+
     def flush(self) -> str:
         """The rest: held-back text and bytes of an unfinished character."""
         if not self.hit:

@@ -70,7 +70,7 @@ def verify_rejection_chain(
         p = target_probs(i - 1)
         q = draft.probs[i]
         px, qx = float(p[x]), float(q[x])
-        if qx <= 0.0 or rng.random() * qx > px:
+        if qx <= 0.0 or rng.random() * qx > px or px <= 0.0:  # (a draw of exactly 0 never takes p(x) = 0)
             resid = np.maximum(p - q, 0.0)
             if resid.sum() <= 0.0:
                 resid = p
@@ -82,10 +82,16 @@ def verify_rejection_chain(
 
 
 def verify_step(
-    draft: Draft, logits_at: Callable[[int], np.ndarray], cfg: SamplingConfig, rng: np.random.Generator
+    draft: Draft, logits_at: Callable[[int], np.ndarray], cfg: SamplingConfig, rng: np.random.Generator,
+    shaper=None,
 ) -> tuple[list[int], int]:
     """One step's verdict from the target's logits (`logits_at(node)`, node -1: the root):
-    greedy walk; the rejection rule for a chain with draft distributions; else the tree walk."""
+    greedy walk; the rejection rule for a chain with draft distributions; else the tree walk.
+
+    Every method, plain decoding too, reads its rows here. With a `shaper` (rows.Shaper: grammar,
+    penalties, logit bias, logprobs) each row is shaped by the state along the draft path to it."""
+    if shaper is not None:
+        return _verify_shaped(draft, shaper.view(draft, logits_at), cfg, rng)
     if cfg.greedy:
         if not draft.tokens:  # a plain step
             return [], int(np.argmax(logits_at(-1)))
@@ -94,3 +100,16 @@ def verify_step(
     if draft.probs is not None and draft.is_chain:
         return verify_rejection_chain(draft, probs, rng)
     return verify_sampled_tree(draft, probs, rng)
+
+
+def _verify_shaped(draft: Draft, rows, cfg: SamplingConfig, rng: np.random.Generator) -> tuple[list[int], int]:
+    if cfg.greedy:
+        accepted, nxt = ([], rows.argmax(-1)) if not draft.tokens else verify_greedy(draft, rows.argmax)
+    else:
+        probs = lambda n: rows.probs(n, cfg)  # noqa: E731
+        if draft.probs is not None and draft.is_chain:
+            accepted, nxt = verify_rejection_chain(draft, probs, rng)
+        else:
+            accepted, nxt = verify_sampled_tree(draft, probs, rng)
+    rows.verdict([-1] + accepted, [draft.tokens[a] for a in accepted] + [nxt])
+    return accepted, nxt

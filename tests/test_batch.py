@@ -60,10 +60,20 @@ def test_parse_openai_lines_and_bare_lines():
     ({"custom_id": "a", "body": {"prompt": "p", "max_tokens": 0}}, "invalid_request", "max_tokens"),
     ({"custom_id": "a", "body": {"prompt": "p", "temperature": -1}}, "invalid_request", "temperature"),
     ({"custom_id": "a", "body": {"prompt": "p", "temperature": "hot"}}, "invalid_request", "temperature"),
-    ({"custom_id": "a", "body": {"prompt": "p", "n": 2}}, "unsupported", "n=1"),
+    ({"custom_id": "a", "body": {"prompt": "p", "n": 0}}, "invalid_request", "n must be"),
     ({"custom_id": "a", "body": {"prompt": "p", "stream": True}}, "unsupported", "stream"),
     ({"custom_id": "a", "body": {"prompt": "p", "stop": [1]}}, "invalid_request", "stop"),
-    ({"custom_id": "a", "body": {"prompt": "p", "presence_penalty": 0.5}}, "unsupported", "presence_penalty"),
+    ({"custom_id": "a", "body": {"prompt": "p", "presence_penalty": 2.5}}, "invalid_request", "presence_penalty"),
+    ({"custom_id": "a", "body": {"prompt": "p", "stop": [str(i) for i in range(17)]}}, "invalid_request", "up to 16"),
+    ({"custom_id": "a", "body": {"prompt": "p", "logprobs": 21}}, "invalid_request", "logprobs"),
+    ({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}},
+     "invalid_request", "needs logprobs"),
+    ({"custom_id": "a", "body": {"prompt": "p", "response_format": {"type": "json_schema"}}}, "invalid_request",
+     "json_schema.schema"),
+    ({"custom_id": "a", "body": {"prompt": "p", "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"$ref": "https://example.com/s"}}}}}, "invalid_schema", "response_format"),
+    ({"custom_id": "a", "body": {"prompt": "p", "tools": [{"type": "function"}]}}, "unsupported", "tools"),
+    ({"custom_id": "a", "body": {"prompt": "p", "logit_bias": {"x": 1}}}, "invalid_request", "logit_bias"),
     ({"custom_id": "a"}, "invalid_request", "needs a body"),
 ])
 def test_parse_errors_name_the_problem(obj, code, needle):

@@ -191,7 +191,7 @@ def test_api_key_is_required_but_not_for_health(srv):
     (b'{"prompt": "hi", "bogus": 1}', 400, "unknown_field", "'bogus'"),
     (b'{"prompt": "hi", "max_tokens": "ten"}', 400, "invalid_request", "max_tokens"),
     (b'{"prompt": "hi", "temperature": 9}', 400, "invalid_request", "temperature"),
-    (b'{"prompt": "hi", "n": 3}', 400, "unsupported", "n=1"),
+    (b'{"prompt": "hi", "n": 17}', 400, "invalid_request", "n must be"),
     (b'{"prompt": ["a", "b"]}', 400, "invalid_request", "prompt"),
     (b'{"prompt": "hi", "stream": "yes"}', 400, "invalid_request", "stream"),
     (b'{"prompt": "\\ud800"}', 400, "invalid_request", "surrogate"),
@@ -358,3 +358,101 @@ def test_batch_and_serve_accept_and_refuse_the_same_bodies(srv, fields, chat):
         assert r.status_code == 200, (body, r.text)
     else:
         assert r.status_code == req.error.status and r.json()["error"]["code"] == req.error.code, (body, r.text)
+
+
+# -- what real clients send (issue 38): structured output, logprobs, many stops, ignored fields --
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}}}
+EXTRACT = "Extract the person as JSON with name, age and city: Alice Smith is 34 years old and lives in Paris."
+
+
+@pytest.fixture(scope="module")
+def plain_engine():
+    """A second engine for `--spec none` references while the server's engine serves."""
+    eng = Engine(EngineConfig(model=MODEL, n_ctx=1024, threads=2))
+    yield eng
+    eng.close()
+
+
+def _plain_gen(eng, sampling: SamplingConfig, messages=None, prompt=None, n=N_TOKENS):
+    toks = eng.prompt_tokens(messages=messages) if messages else eng.prompt_tokens(prompt, raw=True)
+    return eng.start(toks, n, sampling, "none").run()
+
+
+def test_response_format_json_schema_equals_plain_constrained(srv, plain_engine):
+    from edgespec.rows import json_schema_grammar
+    from edgespec.sampling import make_sampling
+
+    c = srv.client()
+    msgs = [{"role": "user", "content": EXTRACT}]
+    ref = _plain_gen(plain_engine, make_sampling(0.0, grammar=json_schema_grammar(PERSON)), messages=msgs, n=80)
+    ref_text = plain_engine.target.detokenize(ref.tokens)
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for stream in (False, True):
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, response_format=rf, stream=stream)
+        text = ("".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if stream
+                else r.choices[0].message.content)
+        assert text == ref_text
+        d = json.loads(text)
+        assert set(d) == {"name", "age", "city"} and isinstance(d["age"], int)
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=80, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")  # any object (this one runs past 80 tokens)
+    bad = httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+                         "name": "x", "schema": {"$ref": "https://example.com/s.json"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_schema"
+
+
+def test_logprobs_equal_plain_decoding(srv, plain_engine):
+    from edgespec.sampling import make_sampling
+
+    c = srv.client()
+    msgs = [{"role": "user", "content": CHATS[2]}]
+    ref = _plain_gen(plain_engine, make_sampling(0.0, logprobs=3), messages=msgs)
+    want = [(plain_engine.target.piece(t).decode("utf-8", "replace"), lp, [v for _, v in top])
+            for t, lp, top in ref.logprobs]
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=N_TOKENS, logprobs=True, top_logprobs=3)
+    got = [(e.token, e.logprob, [x.logprob for x in e.top_logprobs]) for e in r.choices[0].logprobs.content]
+    assert got == want
+    chunks = [ch for ch in c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=N_TOKENS, logprobs=True,
+                                                     top_logprobs=3, stream=True) if ch.choices]
+    streamed = [(e.token, e.logprob, [x.logprob for x in e.top_logprobs])
+                for ch in chunks if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert streamed == want
+    p = "Once upon a time, in a small village,"
+    ref = _plain_gen(plain_engine, make_sampling(0.0, logprobs=2), prompt=p)
+    r = c.completions.create(model=MODEL, prompt=p, max_tokens=N_TOKENS, logprobs=2)
+    assert r.choices[0].logprobs.token_logprobs == [lp for _, lp, _ in ref.logprobs]
+
+
+def test_sixteen_stop_strings_and_ignored_fields(srv):
+    c = srv.client()
+    msg = CHATS[0]
+    ref = srv.ref[msg]
+    stop = ref[10:16]
+    stops = [f"never-{i}" for i in range(15)] + [stop]
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": msg}], max_tokens=N_TOKENS,
+                                  stop=stops, store=False, metadata={"k": "v"}, service_tier="auto", user="u",
+                                  parallel_tool_calls=False, response_format={"type": "text"},
+                                  extra_body={"reasoning_effort": "low", "tools": [], "tool_choice": "none"})
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ref[: ref.index(stop)], "stop")
+    bad = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"prompt": "hi", "stop": stops + ["one more"]})
+    assert bad.status_code == 400 and "up to 16" in bad.json()["error"]["message"]
+
+
+def test_n_choices_are_that_many_sequences(srv):
+    c = srv.client()
+    msg = CHATS[1]
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": msg}], max_tokens=N_TOKENS, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert all(ch.message.content == srv.ref[msg] for ch in r.choices)  # greedy: the same answer twice
+    one = c.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=5)
+    two = c.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=5,
+                               n=3)
+    assert len(two.choices) == 3 and two.choices[0].text == one.choices[0].text  # choice i draws with seed + i
+    assert two.usage.completion_tokens >= 3
+    bad = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"prompt": "hi", "n": 2, "stream": True})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported"

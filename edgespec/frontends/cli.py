@@ -99,6 +99,48 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="random seed for a reproducible sampled run")
 
 
+def _add_grammar_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("structured output (exact under speculation: drafts are checked against the "
+                             "constrained distribution)").add_mutually_exclusive_group()
+    g.add_argument("--grammar-file", default=None, metavar="FILE",
+                   help="constrain the output to a GBNF grammar (llama.cpp's format, root rule `root`)")
+    g.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                   help="constrain the output to JSON following this schema (a file, or the schema's JSON text)")
+
+
+def _grammar(a) -> str | None:
+    """The GBNF of --grammar-file or --json-schema, if any (one clear line when unreadable)."""
+    from ..rows import json_schema_grammar
+
+    gf, js = getattr(a, "grammar_file", None), getattr(a, "json_schema", None)
+    if gf is not None:
+        try:
+            with open(gf, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise EdgespecError(f"cannot read grammar file {gf}: {getattr(e, 'strerror', None) or e}") from None
+        if not text.strip():
+            raise EdgespecError(f"grammar file {gf} is empty")
+        return text
+    if js is None:
+        return None
+    text = js
+    if not js.lstrip().startswith("{"):
+        try:
+            with open(js, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise EdgespecError(f"--json-schema {js}: not a JSON object and not a readable file "
+                                f"({getattr(e, 'strerror', None) or e})") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EdgespecError(f"--json-schema is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    if not isinstance(schema, dict):
+        raise EdgespecError("--json-schema must be a JSON object (a schema)")
+    return json_schema_grammar(schema)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec", description="Local LLM inference, faster through lossless speculative decoding.")
     ap.add_argument("--version", action="version", version=f"edgespec {__version__}")
@@ -115,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(r)
     _add_spec_args(r)
     _add_sampling_args(r)
+    _add_grammar_args(r)
 
     c = sub.add_parser("chat", help="chat in the terminal with live speculation stats (line by line when piped)",
                        description="Chat with a local model. In a terminal: a full-screen UI; when standard input "
@@ -127,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_spec_args(c)
     _add_sampling_args(c)
+    _add_grammar_args(c)
 
     bt = sub.add_parser(
         "batch", help="run a JSONL file of requests (OpenAI batch format), several sequences at once",
@@ -157,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bt)
     _add_spec_args(bt)
     _add_sampling_args(bt)
+    _add_grammar_args(bt)
 
     sv = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (chat and completions, streaming, metrics)",
@@ -352,7 +397,9 @@ def _sampling(a):
     """The sampling flags, checked as a batch line's body fields are (one validation for both)."""
     from ..sampling import make_sampling
 
-    return make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed)
+    if not hasattr(a, "_grammar_text"):
+        a._grammar_text = _grammar(a)
+    return make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed, grammar=a._grammar_text)
 
 
 def _validate(a) -> None:

@@ -14,10 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from pydantic import model_validator
 from pydantic_core import PydanticCustomError
 
-from ..sampling import SamplingConfig, SamplingError, make_sampling
+from ..rows import GrammarError, json_object_grammar, json_schema_grammar
+from ..sampling import MAX_TOP_LOGPROBS, SamplingConfig, SamplingError, make_sampling
 
 CHAT_URL, TEXT_URL = "/v1/chat/completions", "/v1/completions"
 ROLES = ("system", "developer", "user", "assistant")
+MAX_STOPS = 16
+MAX_N = 16  # choices per request (each its own sequence)
+# Fields clients send that change nothing here: accepted and ignored (README, serve section).
+IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "user")
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -52,9 +57,29 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise PydanticCustomError("invalid_request", "response_format json_schema needs json_schema.schema")
+        return self
+
+
 class _Body(BaseModel):
     """Fields both endpoints take. Unknown fields are refused: a field we would silently ignore
-    could change what the caller expects (logit_bias, tools, response_format, ...)."""
+    could change what the caller expects (tools, ...); those in IGNORED change nothing here."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: StrictStr | None = None
@@ -72,22 +97,39 @@ class _Body(BaseModel):
     user: StrictStr | None = None
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
     logprobs: Union[StrictBool, StrictInt, None] = None
+    response_format: ResponseFormat | None = None
+    # accepted and ignored (IGNORED)
+    store: StrictBool | None = None
+    metadata: dict[str, StrictStr] | None = None
+    service_tier: StrictStr | None = None
+    parallel_tool_calls: StrictBool | None = None
+    reasoning_effort: StrictStr | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[StrictStr, dict, None] = None
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.n not in (None, 1):
-            raise PydanticCustomError("unsupported", "only n=1 is supported")
-        if self.logprobs:
-            raise PydanticCustomError("unsupported", "logprobs are not supported")
-        for k in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, k) not in (None, 0, 0.0):
-                raise PydanticCustomError("unsupported", f"{k} is not supported (it would change the model's "
-                                                         "distribution)")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise PydanticCustomError("invalid_request", f"n must be an integer from 1 to {MAX_N}")
+        if (self.n or 1) > 1 and self.stream:
+            raise PydanticCustomError("unsupported", "n > 1 is not streamed yet: send stream false")
+        if self.tools:
+            raise PydanticCustomError("unsupported", "tools are not supported yet (an empty list or null is accepted)")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise PydanticCustomError("unsupported", "tool_choice needs tools, which are not supported yet "
+                                                     "(null, \"none\" and \"auto\" are accepted)")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if stops is not None and (len(stops) > 4 or not all(stops)):
-            raise PydanticCustomError("invalid_request", "stop must be a non-empty string or a list of up to 4 of them")
+        if stops is not None and (len(stops) > MAX_STOPS or not all(stops)):
+            raise PydanticCustomError("invalid_request",
+                                      f"stop must be a non-empty string or a list of up to {MAX_STOPS} of them")
         return self
+
+    @property
+    def top_logprobs_n(self) -> int | None:
+        """How many alternatives to report per token (0: the chosen token's only), None: none."""
+        return None
 
     @property
     def stops(self) -> list[str]:
@@ -96,6 +138,22 @@ class _Body(BaseModel):
 
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
+    top_logprobs: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _logprobs(self):
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise PydanticCustomError("invalid_request", "logprobs must be true or false (top_logprobs: how many)")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise PydanticCustomError("invalid_request", f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+            if not self.logprobs:
+                raise PydanticCustomError("invalid_request", "top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def top_logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(_Body):
@@ -110,7 +168,13 @@ class CompletionBody(_Body):
             self.prompt = p[0]
         if not self.prompt:
             raise PydanticCustomError("invalid_request", "prompt is empty")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise PydanticCustomError("invalid_request", f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         return self
+
+    @property
+    def top_logprobs_n(self) -> int | None:
+        return self.logprobs
 
 
 # What each field must be, for the one-line message a wrong value gets.
@@ -123,14 +187,25 @@ _RULES = {
     "top_k": "must be a non-negative integer (0: off)",
     "min_p": "must be a number in [0, 1] (0: off)",
     "seed": "must be an integer, non-negative, or -1 for a random seed",
-    "stop": "must be a non-empty string or a list of up to 4 of them",
-    "n": "must be 1",
+    "stop": f"must be a non-empty string or a list of up to {MAX_STOPS} of them",
+    "n": "must be an integer from 1 to 16",
     "stream": "must be true or false",
     "stream_options": "must be an object {\"include_usage\": true|false}",
     "user": "must be a string",
-    "frequency_penalty": "must be 0",
-    "presence_penalty": "must be 0",
-    "logprobs": "must be false",
+    "frequency_penalty": "must be a number in [-2, 2]",
+    "presence_penalty": "must be a number in [-2, 2]",
+    "logit_bias": "must be an object of token ids to numbers in [-100, 100]",
+    "logprobs": "must be true or false (chat) or an integer (completions)",
+    "top_logprobs": f"must be an integer in [0, {MAX_TOP_LOGPROBS}]",
+    "response_format": "must be {\"type\": \"text\"|\"json_object\"|\"json_schema\"} (json_schema: "
+                       "{\"json_schema\": {\"name\": ..., \"schema\": {...}}})",
+    "store": "must be true or false",
+    "metadata": "must be an object of strings",
+    "service_tier": "must be a string",
+    "parallel_tool_calls": "must be true or false",
+    "reasoning_effort": "must be a string",
+    "tools": "must be a list of tools (none are supported yet: send null or [])",
+    "tool_choice": "must be null, \"none\" or \"auto\" (tools are not supported yet)",
     "messages": "must be a non-empty list of {role, content}",
     "prompt": "must be a string",
 }
@@ -188,9 +263,29 @@ def body_sampling(b: _Body, defaults: SamplingConfig) -> SamplingConfig:
     try:
         return make_sampling(get(b.temperature, defaults.temp), get(b.top_k, defaults.top_k),
                              get(b.top_p, defaults.top_p), get(b.min_p, defaults.min_p),
-                             b.seed if "seed" in b.model_fields_set else defaults.seed)
+                             b.seed if "seed" in b.model_fields_set else defaults.seed,
+                             grammar=body_grammar(b, defaults.grammar),
+                             presence_penalty=get(b.presence_penalty, defaults.presence_penalty),
+                             frequency_penalty=get(b.frequency_penalty, defaults.frequency_penalty),
+                             logit_bias=b.logit_bias if b.logit_bias is not None else dict(defaults.logit_bias),
+                             logprobs=b.top_logprobs_n)
     except SamplingError as e:
         raise RequestError(str(e)) from None
+
+
+def body_grammar(b: _Body, default: str | None) -> str | None:
+    """The GBNF the body's response_format asks for (default: the command line's)."""
+    rf = b.response_format
+    if rf is None:
+        return default
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return json_object_grammar()
+    try:
+        return json_schema_grammar(rf.json_schema.schema_)
+    except GrammarError as e:
+        raise RequestError(f"response_format: {e}", "invalid_schema") from None
 
 
 def body_max_tokens(b: _Body, default: int) -> int:

@@ -320,7 +320,7 @@ class MultiDecoder:
         self.cost.observe(rows, 0, t_verify, predicted)
         for g, d, (_, pending, chain), root, td in zip(active, drafts, items, roots, t_drafts):
             accepted, nxt = verify_step(Draft.chain(chain), lambda i, r=root: self.ctx.logits(r + 1 + i),
-                                        g.job.sampling, g.rng)
+                                        g.job.sampling, g.rng, g.shaper)
             acc_tokens = [chain[a] for a in accepted]
             g.kv.commit_chain(pending, acc_tokens)
             g.pending = [nxt]

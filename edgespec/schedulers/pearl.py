@@ -28,6 +28,7 @@ from ..errors import EdgespecError
 from ..events import StepEvent
 from ..kv import KVSeq
 from ..lifecycle import Lifecycle
+from ..rows import Shaper
 from ..sampling import SamplingConfig, sample, warp
 from ..verify import verify_greedy, verify_rejection_chain
 
@@ -176,6 +177,9 @@ class PearlGeneration(Lifecycle):
         eng, st, cfg = self.engine, self.stats, self.sampling
         if eng.draft_ctx is None:
             raise EdgespecError("--spec pearl needs a draft model: pass -md MODEL")
+        if Shaper.needed(cfg):  # its carried verdicts bypass the shaped rows
+            raise EdgespecError("--spec pearl takes no grammar, response_format, penalties, logit_bias or logprobs: "
+                                "use --spec draft")
         kv = eng.kv
         gamma = max(1, min(self.gamma, eng.max_verify_rows - 1))
         first, rng = self._prologue(kv)

@@ -77,7 +77,7 @@ class Generation(Lifecycle):
                 t2 = time.perf_counter()
                 layout = kv.decode_tree(pending, draft)
                 cost.observe(len(pending) + len(draft), n_before, time.perf_counter() - t2)
-                accepted, nxt = verify_step(draft, lambda n: ctx.logits(layout.row(n)), cfg, rng)
+                accepted, nxt = verify_step(draft, lambda n: ctx.logits(layout.row(n)), cfg, rng, self.shaper)
                 if rows_hook is not None:  # batch rows of the root and the accepted path
                     rows_hook(len(self.context) - 1, [layout.row(-1)] + [layout.row(a) for a in accepted])
                 if heads:  # features of the root (the last pending token) and the accepted path

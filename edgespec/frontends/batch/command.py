@@ -9,7 +9,6 @@ import sys
 import time
 
 from ...errors import EdgespecError
-from ...sampling import make_sampling
 from ..console import stderr_console
 from .output import Done, Writer, pending_requests, scan_output
 from .requests import EXIT_SOME_FAILED, Defaults, Request, read_requests
@@ -41,7 +40,9 @@ def run_batch(a, engine_cfg) -> int:
 
     if a.output != "-" and a.input != "-" and os.path.abspath(a.input) == os.path.abspath(a.output):
         raise EdgespecError("the output file must not be the input file")
-    defaults = Defaults(a.n_predict, make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed))
+    from ..cli import _sampling
+
+    defaults = Defaults(a.n_predict, _sampling(a))  # with --grammar-file / --json-schema
     reqs = read_requests(_read_input(a.input), defaults)
     if not reqs:
         raise EdgespecError(f"no requests in {a.input}")

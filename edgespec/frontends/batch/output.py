@@ -4,6 +4,7 @@ a resumed run finds already done."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -15,19 +16,49 @@ from ...errors import ContextFullError, EdgespecError
 from ...events import Stats
 from .requests import CHAT_URL, DUPLICATE, Request, RequestError
 
-def ok_record(req: Request, text: str, finish: str, st: Stats, model: str, method: str, drafter: str) -> dict:
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -Infinity
+
+
+def logprobs_body(target, entries: list[tuple], chat: bool, offset: int = 0) -> dict:
+    """OpenAI's logprobs object for (token, logprob, ((token, logprob), ...)) entries: chat's
+    `content` list, or completions' parallel lists (`offset`: characters of text before them)."""
+
+    def piece(t: int) -> bytes:
+        return target.piece(t)
+
+    if chat:
+        def one(t, lp):
+            b = piece(t)
+            return {"token": b.decode("utf-8", "replace"), "logprob": _finite(lp), "bytes": list(b)}
+
+        return {"content": [{**one(t, lp), "top_logprobs": [one(u, v) for u, v in top]} for t, lp, top in entries],
+                "refusal": None}
+    toks, lps, tops, offsets = [], [], [], []
+    for t, lp, top in entries:
+        s = piece(t).decode("utf-8", "replace")
+        toks.append(s)
+        lps.append(_finite(lp))
+        tops.append({piece(u).decode("utf-8", "replace"): _finite(v) for u, v in top})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def ok_record(req: Request, text: str, finish: str, st: Stats, model: str, method: str, drafter: str,
+              logprobs: dict | None = None) -> dict:
     created = int(time.time())
     n_out = st.n_generated
     if req.url == CHAT_URL:
         body = {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": finish}],
         }
     else:
         body = {
             "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         }
     body["usage"] = {"prompt_tokens": st.n_prompt, "completion_tokens": n_out, "total_tokens": st.n_prompt + n_out,
                      "prompt_tokens_details": {"cached_tokens": st.n_prompt_cached}}
@@ -204,6 +235,10 @@ def failure(e: BaseException) -> RequestError:
     """The error line of a request whose serving raised `e`."""
     if isinstance(e, ContextFullError):
         return RequestError(str(e), "context_length_exceeded", 400)
+    from ...rows import GrammarError
+
+    if isinstance(e, GrammarError):
+        return RequestError(str(e), "invalid_grammar", 400)
     if isinstance(e, EdgespecError):
         return RequestError(str(e), "failed", 500)
     return RequestError(f"internal error while serving this request: {type(e).__name__}: {e}", "failed", 500)

@@ -28,6 +28,9 @@ class Request:
     model: str | None = None  # what the line asked for (the loaded model answers)
     stream: bool = False  # serve: answer with server-sent events
     include_usage: bool = False  # serve: stream_options.include_usage
+    n: int = 1  # choices: that many sequences, one record with n choices
+    index: int = 0  # a choice of a request with n > 1 (serve.expand_choices)
+    parent: Any = None  # ... and that request
     cancelled: bool = False  # serve: the client went away; the scheduler stops the sequence
     sink: Any = None  # serve: where the request's text and result go
     tokens: list[int] | None = None  # serve: the prompt, tokenized when the request came
@@ -110,6 +113,7 @@ def fill_from_body(req: Request, url: str, body: dict, defaults: Defaults, allow
     req.model = b.model
     req.stream = bool(b.stream)
     req.include_usage = bool(b.stream_options and b.stream_options.include_usage)
+    req.n = b.n or 1
 
 
 def read_requests(lines: list[str], defaults: Defaults) -> list[Request]:

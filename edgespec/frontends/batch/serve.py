@@ -15,7 +15,7 @@ from ... import methods
 from ...errors import Cancelled, EdgespecError
 from ...events import Stats
 from ...text import TextStream
-from .output import error_record, failure, ok_record
+from .output import error_record, failure, logprobs_body, ok_record
 from .requests import CHAT_URL, Request, RequestError
 
 @dataclass
@@ -65,21 +65,89 @@ class Totals:
 
 
 def _finish_reason(st: Stats, text: TextStream, req: Request) -> str:
-    if req.cancelled:
+    if _cancelled(req):
         return "cancelled"
     return "stop" if text.hit or st.finish_reason == "stop" else "length"
 
 
+def _started_before(target, tokens: list[int], nbytes: int) -> int:
+    """How many of `tokens` start within the first `nbytes` bytes of their text."""
+    n = pos = 0
+    for t in tokens:
+        if pos >= nbytes:
+            break
+        pos += len(target.piece(t))
+        n += 1
+    return n
+
+
+def _cancelled(req: Request) -> bool:
+    return req.cancelled or (req.parent is not None and req.parent.cancelled)
+
+
+def expand_choices(reqs: Iterable[Request | None], emit):
+    """Requests with n > 1 as n requests of one choice each (seeds seed, seed+1, ...: each choice
+    its own draw), and an `emit` that answers the request once all of its choices are done: one
+    record with n choices and the usage and speculative counts summed."""
+    from dataclasses import replace
+
+    groups: dict[int, list] = {}
+
+    def source():
+        for req in reqs:
+            if req is None or req.n <= 1 or req.error is not None:
+                yield req
+                continue
+            groups[id(req)] = [None] * req.n
+            for i in range(req.n):
+                seed = req.sampling.seed
+                yield replace(req, n=1, index=i, parent=req,
+                              sampling=replace(req.sampling, seed=None if seed is None else seed + i))
+
+    def emit_choice(req: Request, rec: dict) -> None:
+        if req.parent is None:
+            emit(req, rec)
+            return
+        parent = req.parent
+        got = groups.get(id(parent))
+        if got is None:  # an earlier choice failed: the request was answered with its error
+            return
+        got[req.index] = rec
+        if rec["error"] is not None:
+            del groups[id(parent)]
+            emit(parent, {**rec, "custom_id": parent.custom_id})
+            return
+        if any(r is None for r in got):
+            return
+        del groups[id(parent)]
+        body = dict(got[0]["response"]["body"])
+        bodies = [r["response"]["body"] for r in got]
+        body["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+        u = body["usage"] = dict(body["usage"])
+        u["completion_tokens"] = sum(b["usage"]["completion_tokens"] for b in bodies)
+        u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+        sp = body["speculative"] = dict(body["speculative"])
+        for k in ("steps", "drafted_tokens", "accepted_tokens"):
+            sp[k] = sum(b["speculative"][k] for b in bodies)
+        sp["acceptance_rate"] = round(sp["accepted_tokens"] / sp["drafted_tokens"], 4) if sp["drafted_tokens"] else 0.0
+        emit(parent, {**got[0], "response": {**got[0]["response"], "body": body}})
+
+    return source(), emit_choice
+
+
 def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel: int, emit, on_step=None,
-                 quiet: bool = False, totals: Totals | None = None, on_text=None, reuse: bool = False) -> Totals:
+                 quiet: bool = False, totals: Totals | None = None, on_text=None, on_logprobs=None,
+                 reuse: bool = False) -> Totals:
     """Serve `reqs` (None items: nothing is waiting now); `emit(req, record)` receives every
     result as soon as it is complete, `on_text(req, piece)` the text as it is final (stop strings
-    cut). `totals` (filled as results come) keeps the count when the run is interrupted.
-    `reuse` (`-np 1`): each request reads only what its prompt adds to the KV cache the one
-    before left (a shared system prompt, a conversation's next turn); the run starts cold, so
-    two runs of the same requests see the same caches."""
+    cut), `on_logprobs(req, entries)` just before it the log-probabilities of the tokens that text
+    starts (requests that ask for them). `totals` (filled as results come) keeps the count when the
+    run is interrupted. `reuse` (`-np 1`): each request reads only what its prompt adds to the KV
+    cache the one before of its share left (a shared system prompt, a conversation's next turn);
+    the run starts cold, so two runs of the same requests see the same caches."""
     totals = totals if totals is not None else Totals()
     model_name = engine.cfg.model
+    reqs, emit = expand_choices(reqs, emit)
     t0 = time.perf_counter()
 
     def fail(req: Request, err: RequestError) -> None:
@@ -108,20 +176,44 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
             fail(req, failure(e))
         return None
 
+    sent: dict[int, int] = {}  # id(request) -> logprob entries handed to on_logprobs
+
+    def release(req: Request, gen, text: TextStream) -> int:
+        """Hand on the logprobs of the tokens the released text starts; the count released."""
+        if req.sampling.logprobs is None:
+            return 0
+        n = _started_before(engine.target, gen.tokens, len(text.given.encode("utf-8")))
+        done = sent.get(id(req), 0)
+        if on_logprobs is not None and n > done:
+            offset = len(engine.target.detokenize(gen.tokens[:done])) if done else 0
+            on_logprobs(req, logprobs_body(engine.target, gen.logprobs[done:n], req.url == CHAT_URL, offset))
+        sent[id(req)] = n
+        return n
+
+    def step_text(req: Request, gen, text: TextStream, piece: str) -> None:
+        if on_text and piece:
+            release(req, gen, text)
+            on_text(req, piece)
+
     def finished(req: Request, gen, text: TextStream) -> None:
         rest = text.flush()
+        n = release(req, gen, text)
+        sent.pop(id(req), None)
         if on_text and rest:
             on_text(req, rest)
         totals.add(gen.stats)
         totals.outputs[req.custom_id] = list(gen.tokens)
+        lp = (logprobs_body(engine.target, gen.logprobs[:n], req.url == CHAT_URL)
+              if req.sampling.logprobs is not None else None)
         emit(req, ok_record(req, text.final(), _finish_reason(gen.stats, text, req), gen.stats, model_name, method,
-                            gen.drafter_name))
+                            gen.drafter_name, lp))
 
     try:
         if n_parallel <= 1:
             if reuse:
                 engine.kv.reset()
-            _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, on_text, totals, reuse)
+            _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, step_text, totals,
+                              reuse)
             return totals
         from ...schedulers.multi import Job, MultiDecoder
 
@@ -154,10 +246,8 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
                         text = texts[id(g.job)] = TextStream(engine.target, req.stop)
                     if on_step:
                         on_step(x)
-                    piece = text.feed(x.tokens)
-                    if on_text and piece:
-                        on_text(req, piece)
-                    if text.hit or req.cancelled:
+                    step_text(req, g, text, text.feed(x.tokens))
+                    if text.hit or _cancelled(req):
                         g.stop()
                 elif kind == "done":
                     totals.active -= 1
@@ -174,7 +264,7 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
         totals.wall = time.perf_counter() - t0
 
 
-def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, on_text, totals,
+def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, step_text, totals,
                       reuse: bool = False) -> None:
     """`-np 1`: every method, each request a generation of its own; lookahead requests (and
     auto's) with the same `share` draft from one trie, so similar requests draft from each
@@ -224,10 +314,8 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
                     for ev in steps:
                         if on_step:
                             on_step(ev)
-                        piece = text.feed(ev.tokens)
-                        if on_text and piece:
-                            on_text(req, piece)
-                        if text.hit or req.cancelled:
+                        step_text(req, gen, text, text.feed(ev.tokens))
+                        if text.hit or _cancelled(req):
                             break
                 finally:
                     steps.close()

@@ -34,6 +34,18 @@ from ..batch.requests import Defaults, Request
 from ..schema import CHAT_URL, TEXT_URL, RequestError
 from .worker import Sink, Worker
 
+
+def check_grammar(engine, grammar: str | None) -> None:
+    """A grammar llama.cpp cannot parse (or the vocabulary cannot spell) is the request's 400."""
+    if grammar is None:
+        return
+    from ...rows import Grammar, GrammarError
+
+    try:
+        Grammar(engine.target, grammar).close()
+    except GrammarError as e:
+        raise RequestError(str(e), "invalid_grammar") from None
+
 log = logging.getLogger(__name__)
 
 MAX_BODY = 4 * 1024 * 1024  # bytes of a request body (a prompt that fills a 32k context is ~130 kB)
@@ -287,6 +299,7 @@ class Server:
         if len(toks) >= eng.n_ctx_seq:
             raise RequestError(f"the prompt is {len(toks)} tokens; a sequence's context holds {eng.n_ctx_seq} "
                                "(the server's -c)", "context_length_exceeded")
+        check_grammar(eng, req.sampling.grammar)
         return toks
 
     async def _result(self, request: HTTPRequest, req: Request) -> dict | None:
@@ -324,12 +337,16 @@ class Server:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
+        logprobs = None  # of the next text chunk
+
         def chunk(piece: str | None, finish: str | None = None, first: bool = False, **extra) -> str:
+            nonlocal logprobs
+            lp, logprobs = logprobs, None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else {} if piece is None else {"content": piece}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": finish}
             d = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice], **extra}
             return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
 
@@ -339,6 +356,9 @@ class Server:
                 yield chunk(None, first=True)
             while True:
                 kind, x = await req.sink.queue.get()
+                if kind == "logprobs":
+                    logprobs = x
+                    continue
                 if kind == "text":
                     yield chunk(x)
                     continue

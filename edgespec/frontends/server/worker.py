@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 class Sink:
     """One request's channel from the engine's thread to its handler on the event loop: items
-    ("text", str), ("done", record) — the batch record, ok or error."""
+    ("text", str), ("logprobs", the next text's logprobs object), ("done", record) — the batch
+    record, ok or error."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -126,7 +127,8 @@ class Worker:
     def _main(self) -> None:
         try:
             run_requests(self.engine, self._source(), self.method, self.n_parallel, self._emit,
-                         on_step=self._on_step, quiet=True, totals=self.totals, on_text=self._on_text)
+                         on_step=self._on_step, quiet=True, totals=self.totals, on_text=self._on_text,
+                         on_logprobs=self._on_logprobs)
         except BaseException as e:  # pragma: no cover - a bug in the loop: say so on every request
             self.error = f"{type(e).__name__}: {e}"
             log.error("the serving loop stopped: %s", self.error)
@@ -141,6 +143,10 @@ class Worker:
             s.t_first = time.monotonic()
             self.metrics.ttft.observe(s.t_first - s.t_arrival)
         s.put(("text", piece))
+
+    def _on_logprobs(self, req: Request, logprobs: dict) -> None:
+        if req.stream:
+            req.sink.put(("logprobs", logprobs))
 
     def _emit(self, req: Request, rec: dict) -> None:
         with self._lock:
