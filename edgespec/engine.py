@@ -109,9 +109,9 @@ class Engine:
         self.kv.reset()
 
     def heal_cost(self, quiet: bool = True) -> list[str]:
-        """Between generations (never during one: this resets the KV caches): measure again each
-        cost curve whose online corrections stayed far from 1 (see costmodel.heal), and write back
-        what the corrections learned. Returns why each curve was measured again."""
+        """Between generations (never during one): measure again each cost curve whose online
+        corrections stayed far from 1 (see costmodel.heal), reading back what the cache held, and
+        write back what the corrections learned. Returns why each curve was measured again."""
         from .costmodel import due, heal, persist
 
         healed = []
@@ -121,7 +121,10 @@ class Engine:
                 continue
             why = due(cm)
             if why:
+                held = list(kv.tokens)  # a conversation's cache (KV reuse): read back after measuring
                 setattr(self, attr, heal(ctx, kv, cm, why, quiet))
+                if held:
+                    kv.extend(held, want_logits=False)
                 healed.append(why)
             else:
                 persist(cm)

@@ -71,8 +71,8 @@ class GGUFInfo:
     arch: str
     n_tensors: int
     n_tokens: int  # vocabulary size (0: the file has none)
-    types: frozenset = frozenset()  # the ggml types of its tensors (GGML_TYPE_* numbers)
     _tokens: list = field(default_factory=list, compare=False, repr=False)
+    types: frozenset = frozenset()  # the ggml types of its tensors (GGML_TYPE_* numbers)
 
     @property
     def tokens(self) -> tuple[bytes, ...]:
@@ -158,7 +158,7 @@ def _read(p: Path, size: int) -> GGUFInfo:
         arch = lib.gguf_get_val_str(ctx, k).decode("utf-8", "replace") if k >= 0 else "?"
         k = lib.gguf_find_key(ctx, TOKENS_KEY.encode())
         n_tokens = lib.gguf_get_arr_n(ctx, k) if k >= 0 else 0
-        return GGUFInfo(p, arch, n, n_tokens, types)
+        return GGUFInfo(p, arch, n, n_tokens, types=types)
     finally:
         lib.gguf_free(ctx)
 

@@ -100,5 +100,6 @@ def test_a_generation_given_up_while_its_prompt_is_read_stops_between_chunks(smo
         raise AssertionError("not cancelled")
     except Cancelled:
         pass
-    assert len(asked) == 1 and smol.kv.n == smol.ctx.n_batch  # stopped after the first chunk
+    # stopped after the first chunk; a generation that ends by an error leaves the cache empty
+    assert len(asked) == 1 and smol.kv.n == 0
     assert generate(smol, smol.prompt_tokens(PROMPTS[2]), 8).tokens  # the engine serves on

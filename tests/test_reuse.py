@@ -95,11 +95,18 @@ def test_every_turn_equals_plain_with_reuse(smol, plain_turns, method):
 
 
 def test_draft_model_and_pearl_turns_equal_plain(smol_pair):
+    from edgespec.costmodel import flat
+
     base = chat(smol_pair, "none")
     for method in ("draft", "pearl"):
         got = _same_text(smol_pair, method, base)
-        if method == "draft":
-            assert sum(r.stats.n_drafted for r, _ in got) > 0
+    saved = smol_pair.cost
+    smol_pair.cost = flat(0.05, saved.max_exact_rows)  # drafts even where this CPU's curve would not
+    try:
+        got = _same_text(smol_pair, "draft", base)
+    finally:
+        smol_pair.cost = saved
+    assert sum(r.stats.n_drafted for r, _ in got) > 0
 
 
 @pytest.fixture(scope="module")

@@ -284,7 +284,9 @@ def test_no_request_learns_another_requests_text(srv):
     texts = {r["choices"][0]["text"] for r in runs}
     assert len(texts) == 1, texts  # greedy: the same answer
     acc = [r["speculative"]["accepted_tokens"] for r in runs]
-    assert acc[1] <= acc[0] + 2 and acc[2] <= acc[0] + 2, acc  # shared, measured: 25, 30, 37
+    # shared, measured: 25, 30, 37; isolated: 24, 24, 24 and 24, 24, 27 (what is learned across
+    # requests is aggregate: lookahead's acceptance per match length, the cost curve's correction)
+    assert max(acc[1:]) <= acc[0] + 4, acc
 
 
 def test_hosts_methods_origins_and_keys(srv):

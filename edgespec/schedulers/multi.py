@@ -39,7 +39,8 @@ from ..errors import ContextFullError, EdgespecError
 from ..events import StepEvent
 from ..kv import KVSeq, decode_chains
 from ..lifecycle import Lifecycle
-from ..sampling import SamplingConfig, pick
+from ..sampling import SamplingConfig
+from ..rows import Shaper
 from ..verify import verify_step
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,7 @@ class MultiDecoder:
                           pool=own)
         g.stats.n_prompt = len(job.prompt)
         g.stats.finish_reason = "interrupted"
+        g.shaper = Shaper.build(self.engine.target, job.sampling)  # grammar, penalties, logprobs
         g.t_start = time.perf_counter()
         kv.reset()
         kv.ctx.set_hidden_taps(None)
@@ -256,7 +258,7 @@ class MultiDecoder:
         if not last:
             return None
         g.rng = np.random.default_rng(g.sampling.seed)
-        first = pick(g.kv.ctx.logits(row), g.sampling, g.rng)
+        first = verify_step(Draft(), lambda n: g.kv.ctx.logits(row), g.sampling, g.rng, g.shaper)[1]
         g.context = list(g.prompt)
         g.reading = False
         g.drafter.begin(g.prompt)
