@@ -71,6 +71,7 @@ class CostModel:
         self.share: float | None = None  # the CPU share the measurement had (see measure); None: unknown
         self.origin: tuple[str, str] | None = None  # (cache file, key) it was read from or written to
         self.measured_at = 0.0  # when it was measured (time.time(); 0.0: not recorded)
+        self._written_obs = [0, 0]  # n_obs as last read from or written to the cache (see persist)
         # predict(k, 0) per row count, so that sizing a draft (every step) interpolates nothing
         self._base = [self.predict(k) for k in range(_TABLE)]
 
@@ -149,6 +150,7 @@ class CostModel:
                 self._seen[k] = seen.get(k, 1)
             if len(attn) == 2:
                 self._attn_obs = attn
+            self._written_obs = list(self.n_obs)
 
     def far_off(self) -> str:
         """Why this curve should be measured again ('' when it holds): its online corrections
@@ -488,14 +490,15 @@ def _store(cm: CostModel) -> None:
 def persist(cm: CostModel | None) -> None:
     """Write back what the online correction learned (level, shape, attention check), so that
     the next process (each `edgespec run` is one) starts from it rather than from the curve."""
-    if cm is None or cm.origin is None or not cm.online or not any(cm.n_obs):
-        return
+    if cm is None or cm.origin is None or not cm.online or cm.n_obs == cm._written_obs:
+        return  # nothing learned since it was read or written
     file, key = cm.origin
     data = _read(file)
     rec = data.get(key)
     if isinstance(rec, dict):
         rec["online"] = cm.online_state()
         _write(file, data)
+        cm._written_obs = list(cm.n_obs)
 
 
 def heal(ctx: Context, kv, cm: CostModel, why: str, quiet: bool = True) -> CostModel:

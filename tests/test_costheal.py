@@ -67,9 +67,17 @@ def _run(env, n, prompt=LONG):
     return json.loads(r.stdout)
 
 
+PS = (0.99, 0.95, 0.9, 0.8)  # drafts' per-token acceptance: path confidences p, p^2, ...
+
+
 def _sizes(cm: CostModel) -> list[int]:
     """Drafting sizes this curve picks: geometric path confidences, at a long context."""
-    return [cm.best_size([p ** i for i in range(1, 25)], n_past=600) for p in (0.99, 0.95, 0.9, 0.8)]
+    return [cm.best_size([p ** i for i in range(1, 25)], n_past=600) for p in PS]
+
+
+def _rate(cm: CostModel, p: float, n: int) -> float:
+    """Expected tokens per second of a step that verifies n drafted nodes, on `cm`."""
+    return (1 + sum(p ** i for i in range(1, n + 1))) / cm.t(1 + n, 600)
 
 
 def test_a_poisoned_curve_heals_within_two_runs(tmp_path):
@@ -109,5 +117,7 @@ def test_a_poisoned_curve_heals_within_two_runs(tmp_path):
             assert abs(math.log(h / c)) < math.log(1.5), (n_past, k, h, c)
     h, c, b = (m.attn0 + 8 * m.attn for m in (healed, clean, bad))  # attention of 8 rows per cached token
     assert abs(math.log(h / c)) < math.log(2) < abs(math.log(b / c)), (h, c, b)
-    hs, cs = _sizes(healed), _sizes(clean)
-    assert all(abs(h - c) <= max(2, c // 4) for h, c in zip(hs, cs)), (hs, cs, _sizes(bad))
+    # the sizes the healed curve drafts pay as the clean curve's would (sizes jump at the margins:
+    # 0 and 3 nodes can be worth the same), priced on the clean curve
+    for p, h, c in zip(PS, _sizes(healed), _sizes(clean)):
+        assert _rate(clean, p, h) >= 0.9 * _rate(clean, p, c), (p, h, c, _sizes(bad))
