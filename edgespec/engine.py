@@ -83,6 +83,7 @@ class Engine:
                                               cfg.n_gpu_layers_draft, quiet, tag=",".join(cfg.rpc_draft))
         self._heads = None  # (path, runtime) once loaded
         self.lookahead_calib = None  # lookahead's learned acceptance per match length (methods._lookahead)
+        self.auto_gates = None  # auto's later members, switched off where they lose (drafters.chain)
         self._kinds: set[str] | None = None
         self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet,
                                                tag=",".join(cfg.rpc))

@@ -107,11 +107,16 @@ def _native_mtp_drafter(engine, opt):
 
 
 def _auto(engine, opt):
-    from .drafters import ChainDrafter
+    from .drafters import ChainDrafter, ChainGates
 
     build = {"lookahead": _lookahead, "mtp": _native_mtp_drafter, "draft": _draft}
     chain = [build[name](engine, opt) for name in auto_members(engine, opt.single_sequence)]
-    return chain[0] if len(chain) == 1 else ChainDrafter(chain)
+    if len(chain) == 1:
+        return chain[0]
+    # what each later member gained or lost is kept across the engine's generations (a chat's turns)
+    if engine.auto_gates is None:
+        engine.auto_gates = ChainGates()
+    return ChainDrafter(chain, engine.auto_gates)
 
 
 def _medusa(engine, opt):

@@ -190,6 +190,18 @@ def paired_draft(spec: str) -> str | None:
     return entry.draft if entry is not None and not quant else None
 
 
+def is_cached(spec: str) -> bool:
+    """Whether a catalog spec's GGUF is on disk and verified (nothing is fetched or made)."""
+    if looks_like_path(spec):
+        return Path(spec).expanduser().exists()
+    try:
+        entry, quant = parse_spec(spec)
+    except CatalogError:
+        return False
+    return _is_verified(models_dir() / entry.filename if quant is None else cached_path(spec),
+                        entry.sha256 if quant is None else None)
+
+
 def looks_like_path(spec: str) -> bool:
     return spec.endswith(".gguf") or os.sep in spec or spec.startswith(".") or Path(spec).exists()
 

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+import edgespec.models
 from edgespec.frontends.cli import _draft_spec
 from edgespec.models import CATALOG, paired_draft
 
@@ -42,17 +43,34 @@ def test_target_finds_its_draft():
 @pytest.mark.parametrize("spec,draft,methods,expected", [
     ("draft", None, None, "qwen2.5-coder-0.5b-instruct"),  # needs one: the catalog's pair
     ("pearl", None, None, "qwen2.5-coder-0.5b-instruct"),
-    ("auto", None, None, None),  # auto takes a draft model only from -md
+    ("auto", None, None, None),  # auto never downloads one: the pair is not cached here
     ("lookahead", None, None, None),
     ("draft", "x.gguf", None, "x.gguf"),  # -md wins
     ("auto", "none", None, None),
     (None, None, "none,lookahead,draft", "qwen2.5-coder-0.5b-instruct"),  # bench's method list
     (None, None, "none,lookahead", None),
 ])
-def test_cli_draft_spec(spec, draft, methods, expected):
+def test_cli_draft_spec(spec, draft, methods, expected, monkeypatch):
+    monkeypatch.setattr(edgespec.models, "is_cached", lambda spec: False)
     a = argparse.Namespace(model="qwen2.5-coder-1.5b-instruct", draft=draft)
     if spec is not None:
         a.spec = spec
     if methods is not None:
         a.methods = methods
     assert _draft_spec(a) == expected
+
+
+def test_auto_takes_a_cached_pair(monkeypatch, tmp_path):
+    """auto loads the catalog's draft only when it is already on disk (the chain then switches it
+    off by measurement where it does not pay); -md none still wins."""
+    monkeypatch.setattr(edgespec.models, "is_cached", lambda spec: True)
+    a = argparse.Namespace(model="qwen2.5-coder-1.5b-instruct", draft=None, spec="auto")
+    assert _draft_spec(a) == "qwen2.5-coder-0.5b-instruct"
+    a.draft = "none"
+    assert _draft_spec(a) is None
+    a = argparse.Namespace(model="smollm2-135m-instruct", draft=None, spec="auto")
+    assert _draft_spec(a) is None
+    # the real check: a file that is not there is not cached
+    monkeypatch.undo()
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    assert not edgespec.models.is_cached("qwen2.5-coder-0.5b-instruct")

@@ -333,17 +333,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _draft_spec(a) -> str | None:
     """-md, else the catalog's draft for -m (qwen2.5-coder-1.5b-instruct drafts with its 0.5B
-    sibling) where the method needs a draft model; `-md none`: none. `auto` takes a draft model
-    only from -md: on 2 cores the 0.5B's probes cost auto more than it drafts (issue 34)."""
+    sibling): fetched on first use where the method needs a draft model (draft, pearl); `auto`
+    takes it only when it is already cached (never a download for it) and then switches it off by
+    measurement wherever it does not pay (drafters.chain). `-md none`: none."""
     if a.draft is not None:
         return None if a.draft == "none" else a.draft
     wanted = getattr(a, "methods", None)  # bench's list, else the one method
     names = [m.strip() for m in wanted.split(",") if m.strip()] if wanted else [getattr(a, "spec", "auto")]
-    if not any(m in methods.METHODS and methods.METHODS[m].needs_draft_model for m in names):
-        return None
-    from ..models import paired_draft
+    from ..models import is_cached, paired_draft
 
-    return paired_draft(a.model)
+    pair = paired_draft(a.model)
+    if pair is None:
+        return None
+    if any(m in methods.METHODS and methods.METHODS[m].needs_draft_model for m in names):
+        return pair
+    return pair if "auto" in names and is_cached(pair) else None
 
 
 def _engine_config(a):

@@ -1,0 +1,160 @@
+"""`auto`'s chain of drafters, and the measurement that switches off a member that does not pay.
+
+The chain asks its members in order; the first that drafts wins the step (as llama.cpp chains).
+Each member already decides from its own predicted cost and confidence whether to draft. That
+prediction can be wrong where it matters most: a draft model's catch-ups after skipped stretches,
+its probes, and drafts that a capped verification cuts short all cost time the prediction does
+not see. So every member after the first is also judged by what it actually did, in seconds:
+
+- a plain step (nobody drafted) measures what a step of the chain without its later members costs
+  (`base`: the step's time less the later members' time spent deciding not to draft);
+- a step member i drafted gains `committed * base - (step time - earlier later-members' time)`:
+  the time the same tokens would have cost by plain steps, less what the step cost;
+- a step where member i was asked and did not draft loses its asking time.
+
+When a member's gains over its last `window` askings sum below zero, it is switched off for a
+while (64 steps, doubling while it keeps losing, at most 4096) and then tried again. This judges a
+member only by the past; which member drafts never changes what the target commits (every draft is
+verified), so greedy output stays identical to plain decoding and sampled output keeps the target's
+distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from ..draft import Draft
+from .base import Budget, Drafter
+
+
+class MemberGate:
+    """What one chained member has gained or lost lately, and whether it is on."""
+
+    OFF_MIN, OFF_MAX = 64, 4096
+
+    def __init__(self, window: int = 48):
+        self.gains: deque[float] = deque(maxlen=window)
+        self.off_for = 0  # steps left switched off
+        self.off_next = self.OFF_MIN
+        self.drafted = 0  # steps it drafted (for the stats line)
+        self.switched_off = 0  # how many times it was switched off
+
+    def on(self) -> bool:
+        if self.off_for > 0:
+            self.off_for -= 1
+            return False
+        return True
+
+    def record(self, gain: float) -> None:
+        self.gains.append(gain)
+        if len(self.gains) == self.gains.maxlen:
+            if sum(self.gains) < 0.0:
+                self.off_for = self.off_next
+                self.off_next = min(self.OFF_MAX, self.off_next * 2)
+                self.switched_off += 1
+                self.gains.clear()
+            else:
+                self.off_next = self.OFF_MIN
+
+
+class ChainGates:
+    """The gates of one engine's `auto` chain, kept across its generations (a chat's turns)."""
+
+    def __init__(self):
+        self.gates: dict[str, MemberGate] = {}
+        self.base = 0.0  # measured time of a plain step of the chain's first member (EMA)
+
+    def gate(self, name: str) -> MemberGate:
+        return self.gates.setdefault(name, MemberGate())
+
+
+class ChainDrafter:
+    """Several drafters in order: the first that drafts wins the step. Members after the first
+    are switched off by measurement where they do not pay (`ChainGates`).
+
+    A member that reads the target's rows (MTP's nextn states, `observe_rows`) gets them after
+    every step, whoever drafted it: its own cache follows every committed token. Members that
+    need the target's post-norm features (trained heads) are not chained."""
+
+    needs_target_hidden = False
+    needs_prompt_hidden = False
+
+    def __init__(self, drafters: list[Drafter], gates: ChainGates | None = None):
+        if any(getattr(d, "needs_target_hidden", False) for d in drafters):
+            raise ValueError("internal: a drafter that reads the target's features cannot be chained")
+        self.drafters = drafters
+        self.name = "+".join(d.name for d in drafters)
+        self.gates = gates if gates is not None else ChainGates()
+        self._last: Drafter | None = None
+        self._t0 = 0.0
+        self._asked: list[tuple[int, float]] = []  # later members asked this step, with their time
+        self._base_pred = 0.0
+        readers = [d.observe_rows for d in drafters if hasattr(d, "observe_rows")]
+        if readers:
+            def observe_rows(pos: int, rows: list[int]) -> None:
+                for read in readers:
+                    read(pos, rows)
+
+            self.observe_rows = observe_rows
+
+    def begin(self, prompt: list[int]) -> None:
+        for d in self.drafters:
+            d.begin(prompt)
+
+    def propose(self, context: list[int], budget: Budget) -> Draft:
+        self._last = None
+        self._asked = []
+        self._t0 = time.perf_counter()
+        if self.gates.base == 0.0:  # until a plain step is measured: the cost curve's
+            self._base_pred = budget.cost.t(1, budget.n_past)
+        for i, d in enumerate(self.drafters):
+            if i and not self.gates.gate(d.name).on():
+                continue
+            t = time.perf_counter()
+            draft = d.propose(context, budget)
+            if i:
+                self._asked.append((i, time.perf_counter() - t))
+            if draft.tokens:
+                self._last = d
+                return draft
+        return Draft()
+
+    def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
+        self._judge(len(committed))
+        for d in self.drafters:
+            d.accept(draft if d is self._last else Draft(), accepted if d is self._last else [], committed)
+
+    def _judge(self, n_committed: int) -> None:
+        step = time.perf_counter() - self._t0
+        if not self._asked:
+            if self._last is None:  # a plain step with no later member asked
+                self._learn_base(step)
+            return
+        last = self.drafters.index(self._last) if self._last is not None else 0
+        if last == 0:  # the first member drafted: nobody later was asked
+            return
+        asked = sum(dt for _, dt in self._asked)
+        if self._last is None:  # asked, nobody drafted: a plain step plus the askings
+            self._learn_base(step - asked)
+            for i, dt in self._asked:
+                self.gates.gate(self.drafters[i].name).record(-dt)
+            return
+        base = self.gates.base or self._base_pred
+        before = 0.0
+        for i, dt in self._asked:
+            g = self.gates.gate(self.drafters[i].name)
+            if i < last:
+                g.record(-dt)
+                before += dt
+            else:
+                g.drafted += 1
+                g.record(n_committed * base - (step - before))
+
+    def _learn_base(self, seconds: float) -> None:
+        b = self.gates.base
+        self.gates.base = seconds if b == 0.0 else 0.9 * b + 0.1 * seconds
+
+    def end(self) -> None:
+        for d in self.drafters:
+            d.end()
