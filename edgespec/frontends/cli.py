@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--categories", default=None, help="comma-separated categories (or prefixes) to keep")
     b.add_argument("-n", "--n-predict", dest="n_predict", type=int, default=256, help="tokens per prompt (default: %(default)s)")
     b.add_argument("--repeat", type=int, default=1, help="runs per prompt and method (default: %(default)s)")
+    b.add_argument("--reuse", action="store_true",
+                   help="read each prompt once: every method then starts from the cached prompt and reads only its "
+                        "last token (generation rates are the same; a long prompt's reading is not repeated per method)")
     b.add_argument("--min-time", dest="min_time", type=float, default=1.0, metavar="SECONDS",
                    help="within a repeat, run every method again, interleaved, until plain decoding has generated "
                         "for this long; a short answer's times and counts are then the sums over those rounds "

@@ -60,9 +60,17 @@ def merge_llama_runs(runs: list[dict]) -> dict:
     return rec
 
 
-def run_method(eng, tokens: list[int], n: int, method: str):
+def run_method(eng, tokens: list[int], n: int, method: str, reuse: bool = False):
     """One greedy generation (a seam for tests that need a deliberately broken method)."""
-    return eng.start(tokens, n, GREEDY, method).run()
+    return eng.start(tokens, n, GREEDY, method, reuse=reuse).run()
+
+
+def read_prompt_once(eng, tokens: list[int]) -> None:
+    """--reuse: read all of a prompt but its last token into the target's cache once; every
+    method then starts from it and reads only the last token (one row, the same for all of them),
+    so a long prompt is not read again per method. Generation rates do not include the prompt's
+    reading either way."""
+    run_method(eng, tokens[:-1], 1, "none", reuse=False)
 
 
 def run_curve(cost, ratios: list[tuple[float, ...]]):
@@ -112,7 +120,10 @@ def run_bench(a, engine_cfg) -> int:
         task = prog.add_task("bench", total=total, info="")
         llama_cpp = [LLAMA_CPP] if getattr(a, "llama_cpp_bin", None) else []
         min_time = getattr(a, "min_time", 0.0)
+        reuse = bool(getattr(a, "reuse", False))
         for item, toks, n in prompts:
+            if reuse:
+                read_prompt_once(eng, toks)
             for rep in range(a.repeat):
                 # interleaved (A B C A B C ...), the order rotated from one repeat (and round) to
                 # the next, so that no method always runs first or right after another (llama.cpp's
@@ -130,7 +141,7 @@ def run_bench(a, engine_cfg) -> int:
                                                      getattr(a, "llama_cpp_kv", None)):
                                 theirs_cells.setdefault(rec["method"], []).append(rec)
                             continue
-                        g = run_method(eng, toks, n, m)
+                        g = run_method(eng, toks, n, m, reuse)
                         ratios.append(tuple(eng.cost.ratio))
                         # every round's output must be the same (and equal to none's)
                         stable[m] = stable.get(m, True) and g.tokens == outputs.setdefault(m, g.tokens)
