@@ -501,6 +501,27 @@ def persist(cm: CostModel | None) -> None:
         cm._written_obs = list(cm.n_obs)
 
 
+def load_extra(cm: CostModel | None, name: str):
+    """What another part stored beside this curve (`store_extra`), or None."""
+    if cm is None or cm.origin is None:
+        return None
+    file, key = cm.origin
+    rec = _read(file).get(key)
+    return rec.get(name) if isinstance(rec, dict) else None
+
+
+def store_extra(cm: CostModel | None, name: str, value) -> None:
+    """Keep `value` (JSON) beside this curve, e.g. what auto's chain learned of its members."""
+    if cm is None or cm.origin is None:
+        return
+    file, key = cm.origin
+    data = _read(file)
+    rec = data.get(key)
+    if isinstance(rec, dict) and rec.get(name) != value:
+        rec[name] = value
+        _write(file, data)
+
+
 def heal(ctx: Context, kv, cm: CostModel, why: str, quiet: bool = True) -> CostModel:
     """Measure the curve of `cm` again (never during a generation: this resets `kv`'s cache) and
     return the one to use from now on, written back. A measurement that had the CPU to itself

@@ -346,12 +346,14 @@ class Engine:
         return ContextConfig(c.n_ctx, c.n_batch, c.threads, max(1, c.max_branches), c.kv_type)
 
     def close(self) -> None:
-        from .costmodel import persist
+        from .costmodel import persist, store_extra
         from .drafters.eagle3 import release as release_eagle3
         from .drafters.mtp import release
 
         persist(getattr(self, "cost", None))  # what the online correction learned, for the next process
         persist(getattr(self, "draft_cost", None))
+        if getattr(self, "auto_gates", None) is not None:  # what auto's chain learned of its members
+            store_extra(self.cost, "chain", self.auto_gates.state())
 
         release(self)  # the MTP context runs on the target model: free it first
         release_eagle3(self)  # the EAGLE-3 draft context reads the target's context (ctx_other)

@@ -90,7 +90,8 @@ def auto_members(engine, single_sequence: bool = True) -> list[str]:
     """What `auto` chains on this engine, in order: the trie first (on a copy its long drafts
     beat any one-token guess), then the model's own MTP layers, then the draft model (these two
     with one sequence per decode); each drafts only where its measured cost and confidence say a
-    verified row pays."""
+    verified row pays, and the later ones are switched off where what they did cost more time
+    than it saved (drafters.chain)."""
     out = ["lookahead"]
     if single_sequence and _native_mtp(engine):
         out.append("mtp")
@@ -115,8 +116,12 @@ def _auto(engine, opt):
         return chain[0]
     # what each later member gained or lost is kept across the engine's generations (a chat's turns)
     if engine.auto_gates is None:
-        engine.auto_gates = ChainGates()
-    return ChainDrafter(chain, engine.auto_gates)
+        from .costmodel import load_extra
+
+        engine.auto_gates = ChainGates.restore(load_extra(engine.cost, "chain"))
+    names = auto_members(engine, opt.single_sequence)
+    keys = [f"draft:{engine.draft_model.path.name}" if n == "draft" else n for n in names]
+    return ChainDrafter(chain, engine.auto_gates, keys)
 
 
 def _medusa(engine, opt):
@@ -156,7 +161,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            build=_lookahead, trees=True, multi_sequence=True),
     Method("draft", "a small GGUF with the same vocabulary drafts a chain", build=_draft, needs_draft_model=True),
     Method("auto", "lookahead; when it has nothing worth verifying, the model's own MTP layers if it has "
-           "them, then the draft model if -md is given",
+           "them, then the draft model (-md, or the catalog's pair when cached); a later one that loses "
+           "time is switched off by measurement",
            build=_auto, trees=True, multi_sequence=True),
     Method("pearl", "the draft model drafts in its own thread while the target verifies (PEARL)",
            scheduler="pearl", needs_draft_model=True),

@@ -101,3 +101,27 @@ def test_the_first_member_is_never_gated_and_gates_outlive_a_generation(clock):
     ch = ChainDrafter([Member("lookahead", clock, 0.0, 0), later], gates)  # the next generation
     run(ch, clock, 10, 0.1, 0.0, accept_all=False)
     assert later.asked == 0 and g.off_for == 0
+
+
+def test_gates_round_trip_beside_the_cost_curve(clock, tmp_path):
+    """What the chain learned is written beside the target's cost curve and read back by the
+    next process; a record it cannot read is learned again."""
+    from edgespec.costmodel import flat, load_extra, store_extra
+    import json
+
+    gates = ChainGates()
+    ch = ChainDrafter([Member("lookahead", clock, 0.0, 0), Member("draft", clock, 0.05, 2)], gates,
+                      ["lookahead", "draft:x.gguf"])
+    run(ch, clock, 100, 0.1, 0.02, accept_all=False)
+    g = gates.gates["draft:x.gguf"]
+    assert g.switched_off >= 1
+    cm = flat(0.01, 32)
+    f = tmp_path / "costs.json"
+    f.write_text(json.dumps({"k": {"curve": 1}}))
+    cm.origin = (str(f), "k")
+    store_extra(cm, "chain", gates.state())
+    back = ChainGates.restore(load_extra(cm, "chain"))
+    assert back.state() == gates.state() and back.gates["draft:x.gguf"].off_for == g.off_for
+    assert json.loads(f.read_text())["k"]["curve"] == 1  # the rest of the record is kept
+    assert ChainGates.restore({"gates": {"draft": "nonsense"}}).gates == {}
+    assert ChainGates.restore(None).gates == {}

@@ -13,8 +13,11 @@ not see. So every member after the first is also judged by what it actually did,
 - a step where member i was asked and did not draft loses its asking time.
 
 When a member's gains over its last `window` askings sum below zero, it is switched off for a
-while (64 steps, doubling while it keeps losing, at most 4096) and then tried again. This judges a
-member only by the past; which member drafts never changes what the target commits (every draft is
+while (64 steps, doubling while it keeps losing, at most 4096) and then tried again. The gates
+outlive a generation (a chat's turns) and a process: the engine writes them beside its cost curve
+(`costmodel.store_extra`), keyed by the member and its model, so that the next `edgespec run`
+does not pay again to learn that a draft model loses on this machine. This judges a member only
+by the past; which member drafts never changes what the target commits (every draft is
 verified), so greedy output stays identical to plain decoding and sampled output keeps the target's
 distribution.
 """
@@ -33,12 +36,22 @@ class MemberGate:
 
     OFF_MIN, OFF_MAX = 64, 4096
 
-    def __init__(self, window: int = 48):
+    def __init__(self, window: int = 24):
         self.gains: deque[float] = deque(maxlen=window)
         self.off_for = 0  # steps left switched off
         self.off_next = self.OFF_MIN
         self.drafted = 0  # steps it drafted (for the stats line)
         self.switched_off = 0  # how many times it was switched off
+
+    def state(self) -> dict:
+        return {"gains": [round(g, 6) for g in self.gains], "off_for": self.off_for, "off_next": self.off_next,
+                "switched_off": self.switched_off}
+
+    def restore(self, d: dict) -> None:
+        self.gains.extend(float(g) for g in d.get("gains", [])[-self.gains.maxlen:])
+        self.off_for = max(0, int(d.get("off_for", 0)))
+        self.off_next = min(self.OFF_MAX, max(self.OFF_MIN, int(d.get("off_next", self.OFF_MIN))))
+        self.switched_off = max(0, int(d.get("switched_off", 0)))
 
     def on(self) -> bool:
         if self.off_for > 0:
@@ -68,6 +81,20 @@ class ChainGates:
     def gate(self, name: str) -> MemberGate:
         return self.gates.setdefault(name, MemberGate())
 
+    def state(self) -> dict:
+        return {"base": self.base, "gates": {k: g.state() for k, g in self.gates.items()}}
+
+    @classmethod
+    def restore(cls, d: dict | None) -> "ChainGates":
+        out = cls()
+        try:
+            out.base = max(0.0, float((d or {}).get("base", 0.0)))
+            for k, g in ((d or {}).get("gates") or {}).items():
+                out.gate(str(k)).restore(g)
+        except (TypeError, ValueError, AttributeError):
+            return cls()  # a record from another version: learn again
+        return out
+
 
 class ChainDrafter:
     """Several drafters in order: the first that drafts wins the step. Members after the first
@@ -80,12 +107,15 @@ class ChainDrafter:
     needs_target_hidden = False
     needs_prompt_hidden = False
 
-    def __init__(self, drafters: list[Drafter], gates: ChainGates | None = None):
+    def __init__(self, drafters: list[Drafter], gates: ChainGates | None = None, keys: list[str] | None = None):
+        """`keys`: each member's name in the gates (default its name; `auto` adds the draft
+        model's file, so that another -md is judged afresh)."""
         if any(getattr(d, "needs_target_hidden", False) for d in drafters):
             raise ValueError("internal: a drafter that reads the target's features cannot be chained")
         self.drafters = drafters
         self.name = "+".join(d.name for d in drafters)
         self.gates = gates if gates is not None else ChainGates()
+        self.keys = keys or [d.name for d in drafters]
         self._last: Drafter | None = None
         self._t0 = 0.0
         self._asked: list[tuple[int, float]] = []  # later members asked this step, with their time
@@ -109,7 +139,7 @@ class ChainDrafter:
         if self.gates.base == 0.0:  # until a plain step is measured: the cost curve's
             self._base_pred = budget.cost.t(1, budget.n_past)
         for i, d in enumerate(self.drafters):
-            if i and not self.gates.gate(d.name).on():
+            if i and not self.gates.gate(self.keys[i]).on():
                 continue
             t = time.perf_counter()
             draft = d.propose(context, budget)
@@ -138,12 +168,12 @@ class ChainDrafter:
         if self._last is None:  # asked, nobody drafted: a plain step plus the askings
             self._learn_base(step - asked)
             for i, dt in self._asked:
-                self.gates.gate(self.drafters[i].name).record(-dt)
+                self.gates.gate(self.keys[i]).record(-dt)
             return
         base = self.gates.base or self._base_pred
         before = 0.0
         for i, dt in self._asked:
-            g = self.gates.gate(self.drafters[i].name)
+            g = self.gates.gate(self.keys[i])
             if i < last:
                 g.record(-dt)
                 before += dt
