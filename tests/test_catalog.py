@@ -74,3 +74,15 @@ def test_auto_takes_a_cached_pair(monkeypatch, tmp_path):
     monkeypatch.undo()
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
     assert not edgespec.models.is_cached("qwen2.5-coder-0.5b-instruct")
+
+
+def test_chat_opens_the_laptop_class_model():
+    """`edgespec chat` opens a model whose answers are worth reading (scripts/chat_default.py);
+    the other commands keep the small default."""
+    from edgespec.frontends.cli import build_parser
+    from edgespec.models import CHAT_MODEL, DEFAULT_MODEL
+
+    ap = build_parser()
+    assert ap.parse_args(["chat"]).model == CHAT_MODEL == "qwen2.5-coder-1.5b-instruct"
+    assert ap.parse_args(["run", "-p", "x"]).model == DEFAULT_MODEL
+    assert CATALOG[CHAT_MODEL].draft == "qwen2.5-coder-0.5b-instruct"

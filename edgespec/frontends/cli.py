@@ -12,6 +12,7 @@ import sys
 from .. import __version__, methods
 from ..errors import EdgespecError
 from ..kvtypes import DEFAULT_KV, KV_TYPES, kv_spec, kv_types
+from ..models import CHAT_MODEL
 
 EXIT_INTERRUPTED = 130
 
@@ -167,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-reuse", dest="reuse", action="store_false",
                    help="read the whole conversation again every turn (default: the KV cache keeps it, and a turn "
                         "reads only what it adds)")
-    _add_model_args(c)
+    _add_model_args(c, default_model=CHAT_MODEL)
     _add_spec_args(c)
     _add_sampling_args(c)
     _add_grammar_args(c)
