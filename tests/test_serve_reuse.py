@@ -172,9 +172,9 @@ def test_ram_cache_stays_under_its_bound(engine):
     run_requests(engine, [_req(i, "k", m) for i, m in enumerate(convs)], "none", 1, lambda r, rec: None,
                  reuse=True, cache=cache)
     snap = cache.snapshot()
-    assert len(seen) == len(convs) - 1
-    assert snap["bytes"] <= limit and snap["entries"] <= 3
-    assert snap["evictions"] >= len(convs) - 1 - 3
+    assert len(seen) >= len(convs) // 2  # a slot whose next prompt keeps half of it is not copied
+    assert snap["bytes"] <= limit and 1 <= snap["entries"] <= 3
+    assert snap["evictions"] >= len(seen) - 3
     tiny = PromptCache(size // 2)
     assert not tiny.put("k", list(range(10)), bytearray(size)) and len(tiny) == 0
 
