@@ -202,3 +202,13 @@ def test_slot_table_prefers_the_longest_prefix_of_the_same_key(engine):
         assert (p.slot, p.keep) == (0, 10)
     finally:
         engine.use_streams(None)
+
+
+def test_cache_ram_flags_say_what_is_wrong():
+    import subprocess
+    import sys
+
+    for args, needle in ((["serve", "--cache-ram", "-1"], "--cache-ram takes MiB"),
+                         (["batch", "-i", "x", "-o", "y", "--cache-ram", "5"], "add --reuse")):
+        r = subprocess.run([sys.executable, "-m", "edgespec", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and needle in r.stderr, r.stderr
