@@ -301,11 +301,12 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
                 engine.draft_kv.reset()
             last_share = req.share
             use = reuse and req.share is not None
-            gen = None
+            gen, placed = None, False  # placed: the slot's cache was touched for this request
             try:
                 if table.kvs[0] is not engine.kv:  # the engine's context was replaced
                     table = SlotTable([engine.kv], reuse, cache)
                 if len(prompt) < engine.kv.capacity and prompt:  # else the generation says why
+                    placed = True
                     table.place([0], req.share if use else None, prompt)
                 drafter = None
                 if m.trees:
@@ -333,12 +334,14 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
                     steps.close()
             except Cancelled:  # given up while its prompt was read
                 totals.active = 0
-                _empty(engine, table)
+                if placed:
+                    _empty(engine, table)
                 gone(req)
                 continue
             except Exception as e:  # one request never ends the batch: it gets its error line
                 totals.active = 0
-                _empty(engine, table)
+                if placed:  # else the cache is as the request before left it
+                    _empty(engine, table)
                 fail(req, failure(e))
                 continue
             finally:
