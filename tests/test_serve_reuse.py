@@ -212,3 +212,26 @@ def test_cache_ram_flags_say_what_is_wrong():
                          (["batch", "-i", "x", "-o", "y", "--cache-ram", "5"], "add --reuse")):
         r = subprocess.run([sys.executable, "-m", "edgespec", *args], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+def test_a_restored_state_continues_bit_for_bit(engine):
+    """A state copied from one sequence and restored into another gives the next token's logits
+    bit for bit as the sequence that read the prompt (each in its own KV stream)."""
+    import numpy as np
+
+    from edgespec.kv import KVSeq
+
+    ctx = engine.use_streams(2)
+    try:
+        a, b = KVSeq(ctx, 1), KVSeq(ctx, 0)
+        p = engine.prompt_tokens(messages=[{"role": "user", "content": FIRST[3]}])
+        a.extend(p[:-1], want_logits=False)
+        data = a.save_state()
+        b.extend(p[:5], want_logits=False)  # something to be replaced
+        assert b.restore_state(list(a.tokens), data) and b.tokens == a.tokens
+        la = ctx.logits(a.extend(p[-1:])).copy()
+        lb = ctx.logits(b.extend(p[-1:])).copy()
+        assert np.array_equal(la, lb)
+        assert not b.restore_state(list(range(3)), bytearray(b"\0" * 16)) and b.n == 0  # refused: empty
+    finally:
+        engine.use_streams(None)
