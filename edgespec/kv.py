@@ -68,6 +68,24 @@ class KVSeq:
             self.ctx.mem_seq_rm(self.seq, -1, -1)
         self.tokens = []
 
+    def save_state(self) -> bytearray:
+        """A copy of this sequence's cells (`restore_state` loads it back, in any sequence of a
+        context of the same model and KV type)."""
+        return self.ctx.state_seq_get(self.seq)
+
+    def restore_state(self, tokens: list[int], data: bytearray) -> bool:
+        """Make the cache hold `tokens`, from a copy `save_state` made when it held them. The
+        cells land at the start of this sequence's cells, in position order, as reading the
+        tokens would lay them. False (the cache then empty) when llama.cpp refuses the copy."""
+        self.reset()
+        if not tokens:
+            return True
+        if not self.ctx.state_seq_set(data, self.seq) or self.ctx.mem_seq_pos_max(self.seq) != len(tokens) - 1:
+            self.reset()
+            return False
+        self.tokens = list(tokens)
+        return True
+
     def truncate(self, n: int) -> None:
         if n >= len(self.tokens):
             return

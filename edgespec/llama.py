@@ -448,6 +448,25 @@ class Context:
     def mem_clear(self) -> None:
         lc.llama_memory_clear(self.mem, True)
 
+    def state_seq_get(self, seq: int) -> bytearray:
+        """A copy of sequence `seq`'s KV state (its cells and their positions; no logits)."""
+        n = int(lc.llama_state_seq_get_size(self.ptr, seq))
+        buf = bytearray(n)
+        if n == 0:
+            return buf
+        got = int(lc.llama_state_seq_get_data(self.ptr, (ctypes.c_ubyte * n).from_buffer(buf), n, seq))
+        if got <= 0:
+            raise ModelError(f"llama.cpp could not copy sequence {seq}'s state: {last_log_error()}")
+        del buf[got:]
+        return buf
+
+    def state_seq_set(self, data: bytearray, seq: int) -> bool:
+        """Load a state from `state_seq_get` into sequence `seq` (which should be empty)."""
+        n = len(data)
+        if n == 0:
+            return False
+        return int(lc.llama_state_seq_set_data(self.ptr, (ctypes.c_ubyte * n).from_buffer(data), n, seq)) > 0
+
     def close(self) -> None:
         if getattr(self, "ptr", None):
             lc.llama_batch_free(self._batch)

@@ -195,8 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--compare", action="store_true",
                     help="then run the same requests with --spec none (not written) and report the speedup")
     bt.add_argument("--reuse", action="store_true",
-                    help="with -np 1: each request reads only what its prompt adds to the KV cache the request before "
-                         "left (a shared system prompt, a conversation's next turn)")
+                    help="each sequence slot keeps what it last held: a request goes to the slot whose KV cache shares "
+                         "the longest prefix with its prompt and reads only the rest (a shared system prompt, a "
+                         "conversation's next turn)")
+    bt.add_argument("--cache-ram", type=int, default=0, metavar="MIB",
+                    help="with --reuse: keep up to MIB MiB of slots' KV state in host RAM, so a request finds its "
+                         "prefix after its slot was taken by another (default: %(default)s, off)")
     bt.add_argument("--stats", default=None, metavar="FILE", help="write the summary as JSON to FILE")
     bt.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_model_args(bt)
@@ -230,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--read-timeout", type=float, default=30.0,
                     help="seconds a request's body may take to arrive, and an idle connection may stay "
                          "(default: %(default)s)")
+    sv.add_argument("--cache-ram", type=int, default=None, metavar="MIB",
+                    help="host RAM for a prompt cache of conversations' KV state, in MiB: a returning client whose "
+                         "slot was taken reads only its new text (default: a quarter of the available memory, at "
+                         "most 8 GiB; 0: off)")
+    sv.add_argument("--no-reuse", dest="reuse", action="store_false",
+                    help="read every request's prompt in full (no slot reuse, no RAM cache)")
     sv.add_argument("-q", "--quiet", action="store_true", help="no progress while the model loads")
     _add_model_args(sv)
     _add_spec_args(sv)
@@ -576,6 +586,10 @@ def cmd_batch(a) -> int:
         raise EdgespecError("-np must be at most 64")
     if a.parallel > 1 and not methods.get(a.spec).multi_sequence:
         raise EdgespecError(f"--spec {a.spec} decodes one sequence at a time: use -np 1, or --spec lookahead")
+    if not 0 <= a.cache_ram <= 1 << 30:
+        raise EdgespecError("--cache-ram takes MiB from 0 to 2**30")
+    if a.cache_ram and not a.reuse:
+        raise EdgespecError("--cache-ram keeps KV state for --reuse: add --reuse")
     cfg = _engine_config(a)
     if hasattr(signal, "SIGTERM"):  # `kill`: stop like Ctrl+C, keeping every finished result
         signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -606,6 +620,8 @@ def cmd_serve(a) -> int:
         raise EdgespecError("--max-connections must be at least 1")
     if not a.read_timeout > 0:
         raise EdgespecError("--read-timeout must be above 0 seconds")
+    if a.cache_ram is not None and not 0 <= a.cache_ram <= 1 << 30:
+        raise EdgespecError("--cache-ram takes MiB from 0 to 2**30 (0: off)")
     return run_serve(a, _engine_config(a))
 
 

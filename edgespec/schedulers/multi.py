@@ -98,8 +98,13 @@ class SeqGeneration(Lifecycle):
 
 
 class MultiDecoder:
-    def __init__(self, engine, n_parallel: int, method: str, quiet: bool = False):
+    def __init__(self, engine, n_parallel: int, method: str, quiet: bool = False, reuse: bool = False,
+                 cache=None):
+        """`reuse`: each slot keeps what it last held, and a request goes to the free slot (or
+        `cache`, a `PromptCache` in host RAM) sharing the longest prefix with its prompt under
+        its `share` key, reading only the rest (see promptcache.SlotTable)."""
         from ..drafters.lookahead import SharedLookahead
+        from ..promptcache import SlotTable
 
         m = methods.get(method)
         if not m.multi_sequence:
@@ -120,6 +125,7 @@ class MultiDecoder:
         self.n_parallel = max(1, n_parallel)
         self.ctx = engine.use_streams(self.n_parallel)
         self.kvs = [KVSeq(self.ctx, i) for i in range(self.n_parallel)]
+        self.table = SlotTable(self.kvs, reuse, cache)
         self.max_draft = 16
         self.trees = m.trees
         self.pools: dict[str, SharedLookahead] = {}  # by a job's `share`
@@ -168,20 +174,28 @@ class MultiDecoder:
         try:
             while True:
                 idle = False  # the source had nothing waiting (it yielded None)
-                for i in range(self.n_parallel):
-                    while slots[i] is None and not exhausted and not idle:
-                        job = next(source, end)
-                        if job is end:
-                            exhausted = True
-                            break
-                        if job is None:
-                            idle = True
-                            break
-                        try:
-                            slots[i] = self._admit(job, i)
-                        except Exception as e:  # that request's error; the others go on
-                            self.kvs[i].reset()
-                            yield "error", job, e
+                while not exhausted and not idle:
+                    free = [i for i in range(self.n_parallel) if slots[i] is None]
+                    if not free:
+                        break
+                    job = next(source, end)
+                    if job is end:
+                        exhausted = True
+                        break
+                    if job is None:
+                        idle = True
+                        break
+                    try:
+                        i, keep = self._place(job, free)
+                    except Exception as e:  # that request's error; the others go on
+                        yield "error", job, e
+                        continue
+                    try:
+                        slots[i] = self._admit(job, i, keep)
+                    except Exception as e:
+                        self.kvs[i].reset()
+                        self.table.release(i, None, False)
+                        yield "error", job, e
                 if not any(slots):
                     if exhausted:
                         return
@@ -194,7 +208,7 @@ class MultiDecoder:
                     try:
                         ev = self._read_chunk(g)
                     except Exception as e:
-                        self._finish(g)
+                        self._finish(g, failed=True)
                         slots[i] = None
                         yield "error", g.job, e
                     else:
@@ -212,7 +226,7 @@ class MultiDecoder:
                     steps = []
                     for i, g in enumerate(slots):
                         if g is not None and not g.reading:
-                            self._finish(g)
+                            self._finish(g, failed=True)
                             slots[i] = None
                             yield "error", g.job, e
                 for g, ev in steps:
@@ -225,24 +239,37 @@ class MultiDecoder:
         finally:
             for g in slots:
                 if g is not None:
-                    self._finish(g)
+                    self._finish(g, failed=True)
 
-    def _admit(self, job: Job, slot: int) -> SeqGeneration:
-        """A generation in `slot`, its prompt checked, not yet read."""
-        kv = self.kvs[slot]
+    def _place(self, job: Job, free: list[int]) -> tuple[int, int]:
+        """The free slot for `job` and the prompt tokens its cache holds already."""
         if not job.prompt:
             raise EdgespecError("empty prompt")
-        if len(job.prompt) >= kv.capacity:
-            raise ContextFullError(
-                f"prompt of {len(job.prompt)} tokens does not fit in a context of {kv.capacity} tokens (raise -c)")
+        if len(job.prompt) >= self.kvs[0].capacity:
+            raise ContextFullError(f"prompt of {len(job.prompt)} tokens does not fit in a context of "
+                                   f"{self.kvs[0].capacity} tokens (raise -c)")
+        try:
+            p = self.table.place(free, job.share, job.prompt)
+        except Exception:  # a slot's cache may be half changed: the free ones start empty
+            for i in free:
+                self.kvs[i].reset()
+                self.table.release(i, None, False)
+            raise
+        return p.slot, p.keep
+
+    def _admit(self, job: Job, slot: int, keep: int = 0) -> SeqGeneration:
+        """A generation in `slot`, its prompt checked, not yet read; the slot's cache holds the
+        prompt's first `keep` tokens already."""
+        kv = self.kvs[slot]
         drafter, own = self._drafter(job.sampling.seed, job.share)
         g = SeqGeneration(self.engine, job.prompt, job.max_tokens, job.sampling, job=job, kv=kv, drafter=drafter,
                           pool=own)
         g.stats.n_prompt = len(job.prompt)
+        g.stats.n_prompt_cached = g.read = keep
+        g.reuse = self.table.reuse
         g.stats.finish_reason = "interrupted"
         g.shaper = Shaper.build(self.engine.target, job.sampling)  # grammar, penalties, logprobs
         g.t_start = time.perf_counter()
-        kv.reset()
         kv.ctx.set_hidden_taps(None)
         return g
 
@@ -266,10 +293,23 @@ class MultiDecoder:
         g.pending = [first]
         return self._emit(g, [first], Draft(), [], 0.0, 0.0, 0)
 
-    def _finish(self, g: SeqGeneration) -> None:
+    def _finish(self, g: SeqGeneration, failed: bool = False) -> None:
+        """End `g`: with reuse, its slot's cache is left holding exactly the committed text but
+        its last token (`KVSeq.settle`, as plain decoding leaves it), or the part of the prompt
+        read so far; emptied after a failure."""
         g.stats.t_gen = time.perf_counter() - g.t_start
         g.drafter.end()
-        g.kv.reset()
+        kept = False
+        if g.reuse and not failed:
+            try:
+                if g.context:
+                    g.kv.settle(g.context[:-1], self.engine.max_verify_rows)
+                kept = True  # while reading, the cache holds exactly the prompt's first `read` tokens
+            except Exception:  # never mask how the generation ended
+                kept = False
+        if not kept:
+            g.kv.reset()
+        self.table.release(g.kv.seq, g.job.share, kept)
         if g.pool is not None:
             g.pool.close()
             g.pool = None

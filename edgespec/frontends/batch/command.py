@@ -116,7 +116,7 @@ def run_batch(a, engine_cfg) -> int:
 
             try:
                 run_requests(engine, todo, a.spec, a.parallel, emit, on_step, totals=totals,
-                             reuse=getattr(a, "reuse", False))
+                             reuse=getattr(a, "reuse", False), cache=_cache(a))
             except KeyboardInterrupt:
                 interrupted = True
     finally:
@@ -175,10 +175,18 @@ def _compare(engine, todo: list[Request], a, spec: Totals) -> dict:
     """The same requests again without speculation (results not written)."""
     print(f"edgespec: --compare: running the {len(todo)} requests again with --spec none", file=sys.stderr)
     base = run_requests(engine, todo, "none", a.parallel, lambda req, rec: None, quiet=True,
-                        reuse=getattr(a, "reuse", False))
+                        reuse=getattr(a, "reuse", False), cache=_cache(a))
     greedy = [r.custom_id for r in todo if r.error is None and r.sampling.greedy and r.custom_id in base.outputs]
     same = sum(1 for c in greedy if spec.outputs.get(c) == base.outputs[c])
     d = base.to_dict()
     d["speedup"] = round(spec.throughput / base.throughput, 3) if base.throughput > 0 else 0.0
     d["greedy"], d["identical"] = len(greedy), same
     return d
+
+
+def _cache(a):
+    """A fresh host-RAM prompt cache for one run (`--cache-ram`, with `--reuse`), or None."""
+    from ...promptcache import PromptCache
+
+    mib = getattr(a, "cache_ram", 0) or 0
+    return PromptCache(mib << 20) if mib > 0 and getattr(a, "reuse", False) else None

@@ -137,14 +137,17 @@ def expand_choices(reqs: Iterable[Request | None], emit):
 
 def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel: int, emit, on_step=None,
                  quiet: bool = False, totals: Totals | None = None, on_text=None, on_logprobs=None,
-                 reuse: bool = False) -> Totals:
+                 reuse: bool = False, cache=None) -> Totals:
     """Serve `reqs` (None items: nothing is waiting now); `emit(req, record)` receives every
     result as soon as it is complete, `on_text(req, piece)` the text as it is final (stop strings
     cut), `on_logprobs(req, entries)` just before it the log-probabilities of the tokens that text
     starts (requests that ask for them). `totals` (filled as results come) keeps the count when the
-    run is interrupted. `reuse` (`-np 1`): each request reads only what its prompt adds to the KV
-    cache the one before of its share left (a shared system prompt, a conversation's next turn);
-    the run starts cold, so two runs of the same requests see the same caches."""
+    run is interrupted. `reuse`: each sequence slot keeps what it last held, and a request goes to
+    the free slot whose cache shares the longest prefix with its prompt among those last used by
+    its share (a conversation's next turn, a shared system prompt), or to `cache` (a
+    `promptcache.PromptCache` in host RAM) when it holds a longer one, and reads only the rest
+    (requests without a share reuse nothing); the run starts cold, so two runs of the same
+    requests see the same caches."""
     totals = totals if totals is not None else Totals()
     model_name = engine.cfg.model
     reqs, emit = expand_choices(reqs, emit)
@@ -213,11 +216,11 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
             if reuse:
                 engine.kv.reset()
             _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, step_text, totals,
-                              reuse)
+                              reuse, cache)
             return totals
         from ...schedulers.multi import Job, MultiDecoder
 
-        dec = MultiDecoder(engine, n_parallel, method, quiet=quiet)
+        dec = MultiDecoder(engine, n_parallel, method, quiet=quiet, reuse=reuse, cache=cache)
         texts: dict[int, TextStream] = {}  # by id of the Job, which error events carry too
 
         def jobs() -> Iterator[Job | None]:
@@ -265,14 +268,18 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
 
 
 def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, step_text, totals,
-                      reuse: bool = False) -> None:
+                      reuse: bool = False, cache=None) -> None:
     """`-np 1`: every method, each request a generation of its own; lookahead requests (and
     auto's) with the same `share` draft from one trie, so similar requests draft from each
     other; a request without one has its own trie. The draft model's cache (which keeps the
-    last prompt) is cleared between requests that do not share."""
+    last prompt) is cleared between requests that do not share. With `reuse` the one slot is
+    placed as in the multi-sequence scheduler (`promptcache.SlotTable`): kept from the request
+    before of the same share, or restored from `cache`."""
     from ...drafters.lookahead import SharedLookahead
+    from ...promptcache import SlotTable
 
     m = methods.get(method)
+    table = SlotTable([engine.kv], reuse, cache)
     pools: dict[str, SharedLookahead] = {}
     last_share: object = ()
     try:
@@ -293,7 +300,14 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
             if engine.draft_kv is not None and not same:
                 engine.draft_kv.reset()
             last_share = req.share
+            use = reuse and req.share is not None
+            gen, placed = None, False  # placed: the slot's cache was touched for this request
             try:
+                if table.kvs[0] is not engine.kv:  # the engine's context was replaced
+                    table = SlotTable([engine.kv], reuse, cache)
+                if len(prompt) < engine.kv.capacity and prompt:  # else the generation says why
+                    placed = True
+                    table.place([0], req.share if use else None, prompt)
                 drafter = None
                 if m.trees:
                     if req.share is None:
@@ -305,8 +319,7 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
                             shared = pools[req.share] = SharedLookahead(path, engine.target.is_eog)
                     opt = methods.Options(seed=req.sampling.seed, shared=shared, max_branches=engine.cfg.max_branches)
                     drafter = methods.build_drafter(engine, method, opt)
-                gen = engine.start(prompt, req.max_tokens, req.sampling, method, drafter=drafter,
-                                   reuse=reuse and same)
+                gen = engine.start(prompt, req.max_tokens, req.sampling, method, drafter=drafter, reuse=use)
                 gen.cancelled = lambda: req.cancelled
                 text = TextStream(engine.target, req.stop)
                 steps = iter(gen)
@@ -321,17 +334,33 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
                     steps.close()
             except Cancelled:  # given up while its prompt was read
                 totals.active = 0
+                if placed:
+                    _empty(engine, table)
                 gone(req)
                 continue
             except Exception as e:  # one request never ends the batch: it gets its error line
                 totals.active = 0
+                if placed:  # else the cache is as the request before left it
+                    _empty(engine, table)
                 fail(req, failure(e))
                 continue
             finally:
                 if own is not None:
                     own.close()
             totals.active = 0
+            # the generation left the cache settled (reuse) or as it was (not reused again)
+            table.release(0, req.share, use and not gen._failed)
             finished(req, gen, text)
     finally:
         for pool in pools.values():
             pool.close()
+
+
+def _empty(engine, table) -> None:
+    """After a failed request (-np 1): the cache starts empty, reused by nobody."""
+    try:
+        engine.kv.reset()
+    except Exception:
+        pass
+    if table.kvs[0] is engine.kv:
+        table.release(0, None, False)

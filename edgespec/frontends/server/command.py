@@ -125,7 +125,11 @@ def run_serve(a, cfg) -> int:
         n_par = engine.max_verify_rows
     max_tokens = a.n_predict if a.n_predict else engine.n_ctx_seq
     defaults = Defaults(max_tokens, make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed))
-    worker = Worker(engine, a.spec, n_par, a.max_queue)
+    from ...promptcache import cache_bytes
+
+    reuse = getattr(a, "reuse", True)
+    ram = cache_bytes(getattr(a, "cache_ram", None)) if reuse else 0
+    worker = Worker(engine, a.spec, n_par, a.max_queue, reuse=reuse, cache_ram=ram)
     name = model_name(cfg)
     local = is_loopback(host)
     server = Server(engine, worker, name, defaults, api_key, local_only=local, cors=a.cors,
@@ -133,7 +137,8 @@ def run_serve(a, cfg) -> int:
     worker.start()
     shown = f"[{host}]" if ":" in host else host
     log.info(f"serving {name} at http://{shown}:{port}/v1 (--spec {a.spec}, -np {n_par}, "
-             f"{engine.n_ctx_seq} tokens of context per sequence{', API key required' if api_key else ''}); "
+             f"{engine.n_ctx_seq} tokens of context per sequence{', API key required' if api_key else ''}"
+             f"{_reuse_note(reuse, ram, api_key)}); "
              "Ctrl+C stops")
     if not local and not api_key:
         log.warning(f"listening on {a.host} without --api-key: anyone who can reach port {port} can use the model")
@@ -154,3 +159,11 @@ def run_serve(a, cfg) -> int:
             engine.close()
     print("edgespec: server stopped", file=sys.stderr)
     return 0
+
+
+def _reuse_note(reuse: bool, ram: int, api_key: str | None) -> str:
+    if not reuse:
+        return ", no KV reuse"
+    if not api_key:
+        return ", no KV reuse between requests without --api-key"
+    return f", KV reuse, prompt cache {ram >> 20} MiB" if ram else ", KV reuse"

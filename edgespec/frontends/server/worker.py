@@ -41,13 +41,21 @@ class Sink:
 
 
 class Worker:
-    def __init__(self, engine, method: str, n_parallel: int, max_queue: int = 256):
+    def __init__(self, engine, method: str, n_parallel: int, max_queue: int = 256, reuse: bool = True,
+                 cache_ram: int = 0):
+        """`reuse`: slots keep what they last held for the next request of the same key;
+        `cache_ram`: bytes of host RAM for sequences' KV states (0: none; see promptcache)."""
+        from ...promptcache import PromptCache
+
         self.engine = engine
         self.method = method
         self.n_parallel = n_parallel
         self.max_queue = max_queue
+        self.reuse = reuse
+        self.cache = PromptCache(cache_ram) if reuse and cache_ram > 0 else None
         self.totals = Totals()
-        self.metrics = Metrics(self.queue_length, lambda: self.totals.active)
+        self.metrics = Metrics(self.queue_length, lambda: self.totals.active,
+                               self.cache.snapshot if self.cache is not None else None)
         self._waiting: OrderedDict[int, Request] = OrderedDict()  # queued, in arrival order
         self._inflight: dict[int, Request] = {}  # submitted, not yet answered (waiting or decoding)
         self._lock = threading.Lock()
@@ -128,7 +136,7 @@ class Worker:
         try:
             run_requests(self.engine, self._source(), self.method, self.n_parallel, self._emit,
                          on_step=self._on_step, quiet=True, totals=self.totals, on_text=self._on_text,
-                         on_logprobs=self._on_logprobs)
+                         on_logprobs=self._on_logprobs, reuse=self.reuse, cache=self.cache)
         except BaseException as e:  # pragma: no cover - a bug in the loop: say so on every request
             self.error = f"{type(e).__name__}: {e}"
             log.error("the serving loop stopped: %s", self.error)
@@ -156,8 +164,9 @@ class Worker:
         if rec["error"] is None:
             body = rec["response"]["body"]
             spec, usage = body["speculative"], body["usage"]
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             self.metrics.finished(spec["drafter"], usage["prompt_tokens"], usage["completion_tokens"],
-                                  spec["drafted_tokens"], spec["accepted_tokens"], spec["steps"])
+                                  spec["drafted_tokens"], spec["accepted_tokens"], spec["steps"], cached)
         if req.cancelled:
             self.metrics.cancelled.inc()
         elif rec["error"] is None:
