@@ -50,10 +50,18 @@ def ok_record(req: Request, text: str, finish: str, st: Stats, model: str, metho
     created = int(time.time())
     n_out = st.n_generated
     if req.url == CHAT_URL:
+        message = {"role": "assistant", "content": text}
+        if req.tool_names:
+            from ...tools import parse_calls
+
+            rest, calls = parse_calls(text, req.tool_names)
+            if calls:
+                message = {"role": "assistant", "content": rest.strip() or None, "tool_calls": calls}
+                if finish == "stop":
+                    finish = "tool_calls"
         body = {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
         }
     else:
         body = {

@@ -39,6 +39,8 @@ class Request:
     # requests with the same `share` draft from one lookahead trie (they learn from each other's
     # text); None: a trie of this request's own (serve without a key: users are not told apart)
     share: str | None = ""
+    tools: list[dict] | None = None  # chat: the tools offered to the model (edgespec.tools)
+    tool_names: frozenset | None = None  # ... whose calls are parsed out of the answer
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ def fill_from_body(req: Request, url: str, body: dict, defaults: Defaults, allow
     req.url = url
     if url == CHAT_URL:
         req.messages = [m.as_dict() for m in b.messages]
+        req.tools = b.offered_tools
+        req.tool_names = frozenset(t["function"]["name"] for t in req.tools) if req.tools else None
     else:
         req.prompt = b.prompt
     req.max_tokens = body_max_tokens(b, defaults.max_tokens)

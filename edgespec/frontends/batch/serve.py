@@ -166,7 +166,7 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
             return req.tokens
         try:
             if req.url == CHAT_URL:
-                return engine.prompt_tokens(messages=req.messages)
+                return engine.prompt_tokens(messages=req.messages, tools=req.tools)
             return engine.prompt_tokens(req.prompt, raw=True)
         except EdgespecError as e:
             fail(req, RequestError(str(e)))
