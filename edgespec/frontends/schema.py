@@ -351,7 +351,7 @@ def _message(e: dict) -> RequestError:
     field = loc[0]
     if field == "messages" and len(loc) >= 2 and isinstance(loc[1], int):
         i, rest = loc[1], loc[2:]
-        if kind == "missing" or not rest:
+        if not rest or (kind == "missing" and len(rest) == 1 and rest[0] in ("role", "content")):
             return RequestError(f"messages[{i}] needs role and content (a JSON object)")
         if rest[0] == "role":
             return RequestError(f"messages[{i}].role {e.get('input')!r} is not supported (one of {', '.join(ROLES)})")
@@ -362,7 +362,7 @@ def _message(e: dict) -> RequestError:
             return RequestError(f"messages[{i}].tool_calls must be a list of {{\"id\": ..., \"type\": \"function\", "
                                 "\"function\": {\"name\": ..., \"arguments\": \"<JSON text>\"}}")
         return RequestError(f"messages[{i}].{rest[0]} must be a string")
-    if kind == "missing":
+    if kind == "missing" and len(loc) == 1:
         return RequestError(f"{field} is required")
     return RequestError(f"{field} {_RULES.get(field, 'has the wrong type')}")
 
