@@ -237,6 +237,18 @@ class Engine:
         add_bos = m.add_bos and not (bos and parts and parts[0][1] and parts[0][0].startswith(bos))
         return ([m.bos] if add_bos else []) + m.tokenize_parts(parts)
 
+    def infill_tokens(self, prefix: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt (prefix-suffix-middle order, as llama.cpp's server's
+        infill): the model writes what goes between `prefix` and `suffix`. Both are text (never
+        a control token); EdgespecError when the vocabulary has no FIM tokens."""
+        m = self.target
+        fim = m.fim_tokens
+        if fim is None:
+            raise EdgespecError("this model's vocabulary has no fill-in-the-middle tokens")
+        pre, suf, mid = fim
+        text = lambda s: m.tokenize(s, add_special=False, parse_special=False)  # noqa: E731
+        return ([m.bos] if m.add_bos and m.bos >= 0 else []) + [pre, *text(prefix), suf, *text(suffix), mid]
+
     # -- generations ----------------------------------------------------------------------
 
     def make_drafter(self, method: str, seed: int | None = None) -> Drafter:

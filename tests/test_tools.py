@@ -293,3 +293,23 @@ def test_langchain_logprobs_equal_plain(srv):
     got = [(e["token"], e["logprob"]) for e in ai.response_metadata["logprobs"]["content"]]
     want = [(e["token"], e["logprob"]) for e in srv.ref_lp["choices"][0]["logprobs"]["content"]]
     assert got == want and len(got) == 8
+
+
+def test_completions_echo_and_suffix(srv):
+    c = srv.client()
+    p = "The capital of France is"
+    plain = c.completions.create(model=MODEL, prompt=p, max_tokens=6, logprobs=1)
+    r = c.completions.create(model=MODEL, prompt=p, max_tokens=6, echo=True, logprobs=1)
+    assert r.choices[0].text == p + plain.choices[0].text
+    lp = r.choices[0].logprobs
+    n_prompt = len(lp.tokens) - len(plain.choices[0].logprobs.tokens)
+    assert n_prompt > 0 and lp.token_logprobs[:n_prompt] == [None] * n_prompt
+    assert lp.token_logprobs[n_prompt:] == plain.choices[0].logprobs.token_logprobs
+    assert "".join(lp.tokens[:n_prompt]) == p and lp.text_offset[n_prompt] == len(p)
+    text = "".join(ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=p, max_tokens=6, echo=True,
+                                                                     stream=True))
+    assert text == r.choices[0].text
+    # SmolLM2's vocabulary has no fill-in-the-middle tokens: suffix is a clear 400
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="def add(a, b):\n", suffix="\n\nprint(add(1, 2))", max_tokens=6)
+    assert "fill-in-the-middle" in str(e.value) and e.value.body["code"] == "unsupported"

@@ -195,8 +195,6 @@ class _Body(BaseModel):
     def _supported(self):
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise PydanticCustomError("invalid_request", f"n must be an integer from 1 to {MAX_N}")
-        if (self.n or 1) > 1 and self.stream:
-            raise PydanticCustomError("unsupported", "n > 1 is not streamed yet: send stream false")
         self._check_tools()
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is not None and (len(stops) > MAX_STOPS or not all(stops)):
@@ -281,6 +279,8 @@ class ChatBody(_Body):
 
 class CompletionBody(_Body):
     prompt: Union[StrictStr, list[StrictStr]]
+    echo: StrictBool | None = None  # the prompt before the completion (logprobs: the prompt's tokens with null)
+    suffix: StrictStr | None = None  # fill-in-the-middle: the text after the completion (a FIM vocabulary)
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -333,6 +333,8 @@ _RULES = {
                    "{\"name\": ...}}",
     "messages": "must be a non-empty list of {role, content}",
     "prompt": "must be a string",
+    "echo": "must be true or false",
+    "suffix": "must be a string (fill-in-the-middle: the text after the completion)",
 }
 
 
