@@ -28,7 +28,7 @@ def _raise(msg: str) -> None:
 
 
 def render(template: str | None, messages: list[dict], bos_token: str = "", eos_token: str = "",
-           add_generation_prompt: bool = True) -> str:
+           add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -36,7 +36,7 @@ def render(template: str | None, messages: list[dict], bos_token: str = "", eos_
         tpl = env.from_string(template or FALLBACK_TEMPLATE)
         return tpl.render(
             messages=messages, bos_token=bos_token, eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt, **({"tools": tools} if tools else {}),
         )
     except TemplateError as e:
         raise EdgespecError(f"chat template failed: {e}") from None
@@ -44,7 +44,8 @@ def render(template: str | None, messages: list[dict], bos_token: str = "", eos_
 
 def render_parts(template: str | None, messages: list[dict], bos_token: str = "", eos_token: str = "",
                  add_generation_prompt: bool = True,
-                 has_marker: Callable[[str], bool] | None = None) -> list[tuple[str, bool]]:
+                 has_marker: Callable[[str], bool] | None = None,
+                 tools: list[dict] | None = None) -> list[tuple[str, bool]]:
     """The rendered prompt as parts `(text, from_template)`: the template's own text (which may
     hold control tokens such as `<|im_start|>`) and the messages' contents (text: a pasted
     `<|im_end|>` must not end a turn), in order.
@@ -54,13 +55,18 @@ def render_parts(template: str | None, messages: list[dict], bos_token: str = ""
     placeholders' places give the same text, the parts are exact. A template that rewrites a
     content in some other way (e.g. cuts a reasoning block from an old answer) gets its own
     rendering whole, as one template part, when no content holds a control token's text
-    (`has_marker`), else the contents as sent in the placeholders' places."""
+    (`has_marker`), else the contents as sent in the placeholders' places.
+
+    Only non-empty string contents get a placeholder (an empty or null one, e.g. an assistant
+    message that only calls tools, is rendered as it is); `tools` (for templates that take
+    them) is the template's own text: its JSON is escaped by the template's `tojson`."""
     nonce = secrets.token_hex(8)
-    placed = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
-    shaped = render(template, placed, bos_token, eos_token, add_generation_prompt)
+    placed = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} if isinstance(m.get("content"), str) and m["content"]
+              else m for i, m in enumerate(messages)]
+    shaped = render(template, placed, bos_token, eos_token, add_generation_prompt, tools)
     pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", shaped)  # template, index, template, index, ...
-    contents = [m["content"] for m in messages]
-    full = render(template, messages, bos_token, eos_token, add_generation_prompt)
+    contents = [m.get("content") or "" for m in messages]
+    full = render(template, messages, bos_token, eos_token, add_generation_prompt, tools)
 
     def parts_with(pick) -> list[tuple[str, bool]]:
         out = [(pieces[0], True)]

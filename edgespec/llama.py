@@ -149,6 +149,13 @@ class Model:
             size = n + 1
 
     @property
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        """The fill-in-the-middle tokens (prefix, suffix, middle) llama.cpp found in the
+        vocabulary (`<|fim_prefix|>`, `<fim_prefix>`, ...), or None."""
+        ids = (lc.llama_vocab_fim_pre(self.vocab), lc.llama_vocab_fim_suf(self.vocab), lc.llama_vocab_fim_mid(self.vocab))
+        return tuple(int(i) for i in ids) if all(i >= 0 for i in ids) else None
+
+    @property
     def chat_template(self) -> str | None:
         return self.meta("tokenizer.chat_template")
 

@@ -56,7 +56,8 @@ def test_parse_openai_lines_and_bare_lines():
     ({"custom_id": "a", "method": "GET", "body": {"prompt": "p"}}, "invalid_request", "POST"),
     ({"custom_id": "a", "url": CHAT_URL, "body": {"prompt": "p"}}, "invalid_request", "messages"),
     ({"custom_id": "a", "body": {"messages": []}}, "invalid_request", "non-empty"),
-    ({"custom_id": "a", "body": {"messages": [{"role": "tool", "content": "x"}]}}, "invalid_request", "role"),
+    ({"custom_id": "a", "body": {"messages": [{"role": "tool", "content": "x"}]}}, "invalid_request", "role tool"),
+    ({"custom_id": "a", "body": {"messages": [{"role": "robot", "content": "x"}]}}, "invalid_request", "role"),
     ({"custom_id": "a", "body": {"prompt": "p", "max_tokens": 0}}, "invalid_request", "max_tokens"),
     ({"custom_id": "a", "body": {"prompt": "p", "temperature": -1}}, "invalid_request", "temperature"),
     ({"custom_id": "a", "body": {"prompt": "p", "temperature": "hot"}}, "invalid_request", "temperature"),
@@ -72,7 +73,10 @@ def test_parse_openai_lines_and_bare_lines():
      "json_schema.schema"),
     ({"custom_id": "a", "body": {"prompt": "p", "response_format": {"type": "json_schema", "json_schema": {
         "schema": {"$ref": "https://example.com/s"}}}}}, "invalid_schema", "response_format"),
-    ({"custom_id": "a", "body": {"prompt": "p", "tools": [{"type": "function"}]}}, "unsupported", "tools"),
+    ({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}},
+     "invalid_request", "tools must be"),
+    ({"custom_id": "a", "body": {"prompt": "p", "tools": [{"type": "function", "function": {"name": "f"}}]}},
+     "unsupported", "chat"),
     ({"custom_id": "a", "body": {"prompt": "p", "logit_bias": {"x": 1}}}, "invalid_request", "logit_bias"),
     ({"custom_id": "a"}, "invalid_request", "needs a body"),
 ])

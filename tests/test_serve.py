@@ -453,6 +453,13 @@ def test_n_choices_are_that_many_sequences(srv):
                                n=3)
     assert len(two.choices) == 3 and two.choices[0].text == one.choices[0].text  # choice i draws with seed + i
     assert two.usage.completion_tokens >= 3
-    bad = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                     json={"prompt": "hi", "n": 2, "stream": True})
-    assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported"
+    # streamed, the choices' chunks interleave, each with its index, and reassemble to the choices
+    parts: dict[int, str] = {}
+    finish = {}
+    for ch in c.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0,
+                                   seed=5, n=3, stream=True):
+        for x in ch.choices:
+            parts[x.index] = parts.get(x.index, "") + x.text
+            if x.finish_reason:
+                finish[x.index] = x.finish_reason
+    assert parts == {i: two.choices[i].text for i in range(3)} and set(finish) == {0, 1, 2}

@@ -8,6 +8,8 @@ one clear message, an error code and an HTTP status (OpenAI's error shape)."""
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -18,11 +20,18 @@ from ..rows import GrammarError, json_object_grammar, json_schema_grammar
 from ..sampling import MAX_TOP_LOGPROBS, SamplingConfig, SamplingError, make_sampling
 
 CHAT_URL, TEXT_URL = "/v1/chat/completions", "/v1/completions"
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 16
 MAX_N = 16  # choices per request (each its own sequence)
 # Fields clients send that change nothing here: accepted and ignored (README, serve section).
-IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "user")
+IGNORED = ("store", "metadata", "service_tier", "reasoning_effort", "user")
+# Tools: bounded (a tool's schema becomes a grammar, all of them a part of the prompt).
+MAX_TOOLS = 64
+MAX_TOOL_SCHEMA_BYTES = 16 * 1024  # a tool's JSON
+MAX_TOOLS_BYTES = 64 * 1024  # all of them
+MAX_SCHEMA_DEPTH = 16  # nesting of a tool's parameters schema
+MAX_TOOL_CALLS = 64  # calls in one assistant message of the history
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -41,15 +50,87 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: StrictStr
+    arguments: StrictStr  # a JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[StrictStr, list[TextPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[StrictStr, list[TextPart], None] = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made (content may then be null)
+    tool_call_id: StrictStr | None = None  # tool: the call this message answers
+    refusal: StrictStr | None = None  # sent back by some clients with an assistant message; ignored
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("invalid_request", "a message needs content (null only in an assistant "
+                                                         "message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("invalid_request", "only an assistant message (role assistant) has tool_calls")
+        if self.tool_calls and len(self.tool_calls) > MAX_TOOL_CALLS:
+            raise PydanticCustomError("invalid_request", f"an assistant message has at most {MAX_TOOL_CALLS} tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise PydanticCustomError("invalid_request", "a message with role tool needs tool_call_id")
+        return self
 
     def as_dict(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        c = self.content
+        text = c if c is None or isinstance(c, str) else "".join(p.text for p in c)
+        d = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": t.id, "type": "function",
+                                "function": {"name": t.function.name, "arguments": t.function.arguments}}
+                               for t in self.tool_calls]
+        if self.role == "tool":
+            d["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                d["name"] = self.name
+        return d
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _depth(x, limit: int) -> int:
+    """Nesting depth of a JSON value, counted up to `limit` + 1 (no deeper walk)."""
+    if limit < 0 or not isinstance(x, (dict, list)):
+        return 0
+    vals = x.values() if isinstance(x, dict) else x
+    return 1 + max((_depth(v, limit - 1) for v in vals), default=0)
 
 
 class StreamOptions(BaseModel):
@@ -104,27 +185,67 @@ class _Body(BaseModel):
     store: StrictBool | None = None
     metadata: dict[str, StrictStr] | None = None
     service_tier: StrictStr | None = None
-    parallel_tool_calls: StrictBool | None = None
     reasoning_effort: StrictStr | None = None
-    tools: list[dict] | None = None
-    tool_choice: Union[StrictStr, dict, None] = None
+    # tools (chat only; see edgespec.tools)
+    parallel_tool_calls: StrictBool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
 
     @model_validator(mode="after")
     def _supported(self):
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise PydanticCustomError("invalid_request", f"n must be an integer from 1 to {MAX_N}")
-        if (self.n or 1) > 1 and self.stream:
-            raise PydanticCustomError("unsupported", "n > 1 is not streamed yet: send stream false")
-        if self.tools:
-            raise PydanticCustomError("unsupported", "tools are not supported yet (an empty list or null is accepted)")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise PydanticCustomError("unsupported", "tool_choice needs tools, which are not supported yet "
-                                                     "(null, \"none\" and \"auto\" are accepted)")
+        self._check_tools()
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is not None and (len(stops) > MAX_STOPS or not all(stops)):
             raise PydanticCustomError("invalid_request",
                                       f"stop must be a non-empty string or a list of up to {MAX_STOPS} of them")
         return self
+
+    def _check_tools(self) -> None:
+        tools = self.tools or []
+        if tools and not isinstance(self, ChatBody):
+            raise PydanticCustomError("unsupported", "tools are for /v1/chat/completions")
+        if len(tools) > MAX_TOOLS:
+            raise PydanticCustomError("invalid_request", f"at most {MAX_TOOLS} tools are accepted")
+        seen, total = set(), 0
+        for i, t in enumerate(tools):
+            name = t.function.name
+            if not TOOL_NAME.fullmatch(name):
+                raise PydanticCustomError("invalid_request", f"tools[{i}].function.name must be 1 to 64 letters, "
+                                                             "digits, underscores or dashes")
+            if name in seen:
+                raise PydanticCustomError("invalid_request", f"tools[{i}].function.name {name!r} is used twice")
+            seen.add(name)
+            size = len(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False).encode())
+            total += size
+            if size > MAX_TOOL_SCHEMA_BYTES:
+                raise PydanticCustomError("invalid_request", f"tools[{i}] is {size} bytes of JSON; at most "
+                                                             f"{MAX_TOOL_SCHEMA_BYTES} are accepted")
+            p = t.function.parameters
+            if p is not None and _depth(p, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+                raise PydanticCustomError("invalid_request", f"tools[{i}].function.parameters nests deeper than "
+                                                             f"{MAX_SCHEMA_DEPTH} levels")
+        if total > MAX_TOOLS_BYTES:
+            raise PydanticCustomError("invalid_request", f"the tools are {total} bytes of JSON; at most "
+                                                         f"{MAX_TOOLS_BYTES} are accepted")
+        c = self.tool_choice
+        if c in ("required",) or isinstance(c, NamedToolChoice):
+            if not tools:
+                raise PydanticCustomError("invalid_request", "tool_choice \"required\" or a named function needs tools")
+            if isinstance(c, NamedToolChoice) and c.function.name not in seen:
+                raise PydanticCustomError("invalid_request", f"tool_choice names {c.function.name!r}, which is not "
+                                                             "one of the tools")
+            if self.response_format is not None and self.response_format.type != "text":
+                raise PydanticCustomError("invalid_request", "tool_choice \"required\" or a named function cannot be "
+                                                             "combined with a JSON response_format (each is a grammar)")
+
+    @property
+    def offered_tools(self) -> list[dict] | None:
+        """The tools offered to the model (none with tool_choice "none"), as plain dicts."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @property
     def top_logprobs_n(self) -> int | None:
@@ -158,6 +279,8 @@ class ChatBody(_Body):
 
 class CompletionBody(_Body):
     prompt: Union[StrictStr, list[StrictStr]]
+    echo: StrictBool | None = None  # the prompt before the completion (logprobs: the prompt's tokens with null)
+    suffix: StrictStr | None = None  # fill-in-the-middle: the text after the completion (a FIM vocabulary)
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -204,10 +327,14 @@ _RULES = {
     "service_tier": "must be a string",
     "parallel_tool_calls": "must be true or false",
     "reasoning_effort": "must be a string",
-    "tools": "must be a list of tools (none are supported yet: send null or [])",
-    "tool_choice": "must be null, \"none\" or \"auto\" (tools are not supported yet)",
+    "tools": "must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., \"description\": ..., "
+             "\"parameters\": {...}}}",
+    "tool_choice": "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": "
+                   "{\"name\": ...}}",
     "messages": "must be a non-empty list of {role, content}",
     "prompt": "must be a string",
+    "echo": "must be true or false",
+    "suffix": "must be a string (fill-in-the-middle: the text after the completion)",
 }
 
 
@@ -215,6 +342,8 @@ def _message(e: dict) -> RequestError:
     """One pydantic error -> the request's one-line error."""
     kind, loc = e["type"], e["loc"]
     if kind in ("unsupported", "invalid_request"):
+        if len(loc) >= 2 and loc[0] == "messages" and isinstance(loc[1], int):
+            return RequestError(f"messages[{loc[1]}]: {e['msg']}", kind)
         return RequestError(e["msg"], kind)
     if kind == "extra_forbidden":
         where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc[:-1]).lstrip(".")
@@ -224,15 +353,18 @@ def _message(e: dict) -> RequestError:
     field = loc[0]
     if field == "messages" and len(loc) >= 2 and isinstance(loc[1], int):
         i, rest = loc[1], loc[2:]
-        if kind == "missing" or not rest:
+        if not rest or (kind == "missing" and len(rest) == 1 and rest[0] in ("role", "content")):
             return RequestError(f"messages[{i}] needs role and content (a JSON object)")
         if rest[0] == "role":
             return RequestError(f"messages[{i}].role {e.get('input')!r} is not supported (one of {', '.join(ROLES)})")
         if rest[0] == "content":
             return RequestError(f"messages[{i}].content must be a string or a list of text parts "
                                 "({\"type\": \"text\", \"text\": ...}); only text parts are supported")
+        if rest[0] == "tool_calls":
+            return RequestError(f"messages[{i}].tool_calls must be a list of {{\"id\": ..., \"type\": \"function\", "
+                                "\"function\": {\"name\": ..., \"arguments\": \"<JSON text>\"}}")
         return RequestError(f"messages[{i}].{rest[0]} must be a string")
-    if kind == "missing":
+    if kind == "missing" and len(loc) == 1:
         return RequestError(f"{field} is required")
     return RequestError(f"{field} {_RULES.get(field, 'has the wrong type')}")
 
@@ -275,6 +407,15 @@ def body_sampling(b: _Body, defaults: SamplingConfig) -> SamplingConfig:
 
 def body_grammar(b: _Body, default: str | None) -> str | None:
     """The GBNF the body's response_format asks for (default: the command line's)."""
+    c = b.tool_choice
+    if b.tools and (c == "required" or isinstance(c, NamedToolChoice)):
+        from ..tools import ToolError, call_grammar
+
+        try:
+            return call_grammar(b.offered_tools, c.function.name if isinstance(c, NamedToolChoice) else None,
+                                parallel=bool(b.parallel_tool_calls))
+        except ToolError as e:
+            raise RequestError(str(e), "invalid_schema") from None
     rf = b.response_format
     if rf is None:
         return default

@@ -45,17 +45,40 @@ def logprobs_body(target, entries: list[tuple], chat: bool, offset: int = 0) -> 
     return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def echo_logprobs(target, prompt: str, lp: dict) -> dict:
+    """Completions' logprobs with `echo`: the prompt's tokens first, their logprobs null (the
+    prompt is read, not sampled: edgespec does not score it), then the completion's."""
+    toks = target.tokenize(prompt, add_special=False, parse_special=False)
+    pieces = [target.piece(t).decode("utf-8", "replace") for t in toks]
+    offsets, pos = [], 0
+    for s in pieces:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": pieces + lp["tokens"], "token_logprobs": [None] * len(toks) + lp["token_logprobs"],
+            "top_logprobs": [None] * len(toks) + lp["top_logprobs"], "text_offset": offsets + lp["text_offset"]}
+
+
 def ok_record(req: Request, text: str, finish: str, st: Stats, model: str, method: str, drafter: str,
               logprobs: dict | None = None) -> dict:
     created = int(time.time())
     n_out = st.n_generated
     if req.url == CHAT_URL:
+        message = {"role": "assistant", "content": text}
+        if req.tool_names:
+            from ...tools import parse_calls
+
+            rest, calls = parse_calls(text, req.tool_names)
+            if calls:
+                message = {"role": "assistant", "content": rest.strip() or None, "tool_calls": calls}
+                if finish == "stop":
+                    finish = "tool_calls"
         body = {
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
         }
     else:
+        if req.echo:
+            text = (req.prompt or "") + text
         body = {
             "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],

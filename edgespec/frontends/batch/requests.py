@@ -39,6 +39,10 @@ class Request:
     # requests with the same `share` draft from one lookahead trie (they learn from each other's
     # text); None: a trie of this request's own (serve without a key: users are not told apart)
     share: str | None = ""
+    echo: bool = False  # completions: the prompt before the completion
+    suffix: str | None = None  # completions: fill-in-the-middle, the text after the completion
+    tools: list[dict] | None = None  # chat: the tools offered to the model (edgespec.tools)
+    tool_names: frozenset | None = None  # ... whose calls are parsed out of the answer
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,12 @@ def fill_from_body(req: Request, url: str, body: dict, defaults: Defaults, allow
     req.url = url
     if url == CHAT_URL:
         req.messages = [m.as_dict() for m in b.messages]
+        req.tools = b.offered_tools
+        req.tool_names = frozenset(t["function"]["name"] for t in req.tools) if req.tools else None
     else:
         req.prompt = b.prompt
+        req.echo = bool(b.echo)
+        req.suffix = b.suffix or None
     req.max_tokens = body_max_tokens(b, defaults.max_tokens)
     req.sampling = body_sampling(b, defaults.sampling)
     req.stop = b.stops
@@ -114,6 +122,22 @@ def fill_from_body(req: Request, url: str, body: dict, defaults: Defaults, allow
     req.stream = bool(b.stream)
     req.include_usage = bool(b.stream_options and b.stream_options.include_usage)
     req.n = b.n or 1
+
+
+def prompt_of(engine, req: Request) -> list[int]:
+    """A request's prompt tokens: chat messages (and tools) through the model's template; a
+    completion's prompt as is, or with `suffix` in the model's fill-in-the-middle tokens
+    (RequestError when its vocabulary has none)."""
+    if req.url == CHAT_URL:
+        return engine.prompt_tokens(messages=req.messages, tools=req.tools)
+    if req.suffix is not None:
+        fim = engine.target.fim_tokens
+        if fim is None:
+            raise RequestError("suffix (fill-in-the-middle) needs a model whose vocabulary has fill-in-the-middle "
+                               "tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>, as Qwen2.5-Coder's); "
+                               "this model's has none", "unsupported")
+        return engine.infill_tokens(req.prompt, req.suffix)
+    return engine.prompt_tokens(req.prompt, raw=True)
 
 
 def read_requests(lines: list[str], defaults: Defaults) -> list[Request]:

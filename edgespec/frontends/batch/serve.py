@@ -15,8 +15,8 @@ from ... import methods
 from ...errors import Cancelled, EdgespecError
 from ...events import Stats
 from ...text import TextStream
-from .output import error_record, failure, logprobs_body, ok_record
-from .requests import CHAT_URL, Request, RequestError
+from .output import echo_logprobs, error_record, failure, logprobs_body, ok_record
+from .requests import CHAT_URL, Request, RequestError, prompt_of
 
 @dataclass
 class Totals:
@@ -168,9 +168,9 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
         if req.tokens is not None:
             return req.tokens
         try:
-            if req.url == CHAT_URL:
-                return engine.prompt_tokens(messages=req.messages)
-            return engine.prompt_tokens(req.prompt, raw=True)
+            return prompt_of(engine, req)
+        except RequestError as e:
+            fail(req, e)
         except EdgespecError as e:
             fail(req, RequestError(str(e)))
         except UnicodeEncodeError:
@@ -189,6 +189,7 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
         done = sent.get(id(req), 0)
         if on_logprobs is not None and n > done:
             offset = len(engine.target.detokenize(gen.tokens[:done])) if done else 0
+            offset += len(req.prompt) if req.echo else 0
             on_logprobs(req, logprobs_body(engine.target, gen.logprobs[done:n], req.url == CHAT_URL, offset))
         sent[id(req)] = n
         return n
@@ -206,8 +207,12 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
             on_text(req, rest)
         totals.add(gen.stats)
         totals.outputs[req.custom_id] = list(gen.tokens)
-        lp = (logprobs_body(engine.target, gen.logprobs[:n], req.url == CHAT_URL)
-              if req.sampling.logprobs is not None else None)
+        lp = None
+        if req.sampling.logprobs is not None:
+            chat = req.url == CHAT_URL
+            lp = logprobs_body(engine.target, gen.logprobs[:n], chat, len(req.prompt) if req.echo else 0)
+            if req.echo:
+                lp = echo_logprobs(engine.target, req.prompt, lp)
         emit(req, ok_record(req, text.final(), _finish_reason(gen.stats, text, req), gen.stats, model_name, method,
                             gen.drafter_name, lp))
 

@@ -30,7 +30,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..batch.requests import Defaults, Request
+from ..batch.requests import Defaults, Request, prompt_of
 from ..schema import CHAT_URL, TEXT_URL, RequestError
 from .worker import Sink, Worker
 
@@ -221,8 +221,13 @@ class Server:
     def _bound(self, req: Request) -> None:
         """Refuse a prompt that cannot fit in the context before it is templated or tokenized."""
         n_ctx = self.engine.n_ctx_seq
-        texts = [req.prompt or ""] if req.messages is None else [m["content"] for m in req.messages]
+        texts = ([req.prompt or "", req.suffix or ""] if req.messages is None
+                 else [m["content"] or "" for m in req.messages])
         size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if req.messages is not None:  # the tools and the calls in the history are prompt text too
+            size += sum(len(c["function"]["arguments"].encode("utf-8", "surrogatepass")) + len(c["function"]["name"])
+                        for m in req.messages for c in m.get("tool_calls") or ())
+            size += len(json.dumps(req.tools or []))
         if size > self.max_prompt_bytes or (req.messages is not None and len(req.messages) >= n_ctx):
             what = f"{len(req.messages)} messages, " if req.messages is not None else ""
             raise RequestError(f"the prompt ({what}{size} bytes of text) cannot fit in a sequence's context of "
@@ -290,8 +295,9 @@ class Server:
     def _tokens(self, req: Request) -> list[int]:
         eng = self.engine
         try:
-            toks = (eng.prompt_tokens(messages=req.messages) if req.url == CHAT_URL
-                    else eng.prompt_tokens(req.prompt, raw=True))
+            toks = prompt_of(eng, req)
+        except RequestError:
+            raise
         except UnicodeEncodeError:
             raise RequestError("the prompt is not valid Unicode text (a lone surrogate such as \\ud800)") from None
         except Exception as e:  # a chat template that fails on these messages
@@ -329,45 +335,94 @@ class Server:
             t_gone.cancel()
         return t_done.result() if answered else None
 
+    @staticmethod
+    def _held(hold, message: dict) -> list[dict]:
+        """The deltas of what a tools stream held back: the rest of the content, then each call."""
+        out = []
+        content = message.get("content") or ""
+        calls = message.get("tool_calls") or []
+        rest = content[len(hold.sent.lstrip()):] if calls else content[len(hold.sent):]
+        if rest:
+            out.append({"content": rest})
+        for i, c in enumerate(calls):
+            out.append({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                        "function": {"name": c["function"]["name"], "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
+        return out
+
     async def _events(self, req: Request, url: str):
         """Server-sent events: chunks as the text becomes final (stop strings cut), then one with
-        finish_reason and the `speculative` object, the usage chunk if asked, and [DONE]."""
+        finish_reason and the `speculative` object, the usage chunk if asked, and [DONE]. With
+        n > 1 the choices' chunks interleave, each with its `index`, and each choice gets its own
+        finish chunk (the last one carries `speculative`, summed over the choices). Completions
+        with `echo` send the prompt as the first chunk.
+
+        With tools offered, text from the first `<tool_call>` on is held; when the answer is
+        complete its calls go out as OpenAI streams them (per call: a delta with index, id,
+        type and function.name, then one with function.arguments), and held text that was no
+        call as content."""
+        from ...tools import CallHold
+
         chat = url == CHAT_URL
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.custom_id}"
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        logprobs = None  # of the next text chunk
+        logprobs: dict[int, dict] = {}  # by choice: of its next text chunk
 
-        def chunk(piece: str | None, finish: str | None = None, first: bool = False, **extra) -> str:
-            nonlocal logprobs
-            lp, logprobs = logprobs, None
+        def chunk(piece: str | None, finish: str | None = None, first: bool = False, delta: dict | None = None,
+                  index: int = 0, **extra) -> str:
+            lp = logprobs.pop(index, None)
             if chat:
-                delta = {"role": "assistant", "content": ""} if first else {} if piece is None else {"content": piece}
-                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                if delta is None:
+                    delta = ({"role": "assistant", "content": ""} if first else {} if piece is None
+                             else {"content": piece})
+                choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": finish}
+                choice = {"index": index, "text": piece or "", "logprobs": lp, "finish_reason": finish}
             d = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice], **extra}
             return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
 
+        holds = {i: CallHold() for i in range(req.n)} if chat and req.tool_names else None
         finished = False
         try:
-            if chat:
-                yield chunk(None, first=True)
+            for i in range(req.n):
+                if chat:
+                    yield chunk(None, first=True, index=i)
+                elif req.echo:
+                    yield chunk(req.prompt, index=i)
             while True:
                 kind, x = await req.sink.queue.get()
+                index = 0
+                if kind in ("text", "logprobs") and isinstance(x, tuple):  # a choice of n > 1
+                    index, x = x
                 if kind == "logprobs":
-                    logprobs = x
+                    held = logprobs.get(index)
+                    if held is not None and chat:  # held text's: they go with the next chunk
+                        logprobs[index] = {**held, "content": held["content"] + x["content"]}
+                    else:
+                        logprobs[index] = x
                     continue
                 if kind == "text":
-                    yield chunk(x)
+                    if holds is not None:
+                        x = holds[index].feed(x)
+                        if not x:
+                            continue
+                    yield chunk(x, index=index)
                     continue
                 finished = True
                 if x["error"] is not None:
                     yield f"data: {json.dumps(x['response']['body'], ensure_ascii=False)}\n\n"
                 else:
                     body = x["response"]["body"]
-                    yield chunk(None, body["choices"][0]["finish_reason"], speculative=body["speculative"])
+                    choices = body["choices"]
+                    for ch in choices:
+                        i = ch["index"]
+                        if holds is not None:
+                            for c in self._held(holds[i], ch["message"]):
+                                yield chunk(None, delta=c, index=i)
+                        extra = {"speculative": body["speculative"]} if i == len(choices) - 1 else {}
+                        yield chunk(None, ch["finish_reason"], index=i, **extra)
                     if req.include_usage:
                         d = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
                              "usage": body["usage"], "speculative": body["speculative"]}

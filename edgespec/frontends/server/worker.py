@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 class Sink:
     """One request's channel from the engine's thread to its handler on the event loop: items
     ("text", str), ("logprobs", the next text's logprobs object), ("done", record) — the batch
-    record, ok or error."""
+    record, ok or error. The text and logprobs of a choice of n > 1 come as (index, str|object)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -150,11 +150,11 @@ class Worker:
         if s.t_first is None:
             s.t_first = time.monotonic()
             self.metrics.ttft.observe(s.t_first - s.t_arrival)
-        s.put(("text", piece))
+        s.put(("text", piece if req.parent is None else (req.index, piece)))  # a choice of n > 1: its index
 
     def _on_logprobs(self, req: Request, logprobs: dict) -> None:
         if req.stream:
-            req.sink.put(("logprobs", logprobs))
+            req.sink.put(("logprobs", logprobs if req.parent is None else (req.index, logprobs)))
 
     def _emit(self, req: Request, rec: dict) -> None:
         with self._lock:
