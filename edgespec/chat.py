@@ -4,6 +4,8 @@ message's content (text, never a control token)."""
 
 from __future__ import annotations
 
+import json
+
 import re
 import secrets
 from datetime import datetime
@@ -23,6 +25,10 @@ FALLBACK_TEMPLATE = (
 )
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _raise(msg: str) -> None:
     raise TemplateError(msg)
 
@@ -32,6 +38,9 @@ def render(template: str | None, messages: list[dict], bos_token: str = "", eos_
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    # as Hugging Face's templates are rendered (transformers' own filter): keys in their order and
+    # no HTML escaping (Jinja's own `tojson` sorts keys and writes `<` as \u003c)
+    env.filters["tojson"] = _tojson
     try:
         tpl = env.from_string(template or FALLBACK_TEMPLATE)
         return tpl.render(

@@ -42,6 +42,30 @@ GENERIC_PROMPT = (
 
 _TOOLS_RE = re.compile(r"\btools\b")
 _CALL_RE = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
+FENCE = "```"
+_LANG_RE = re.compile(r"```([\w+-]*)[ \t]*\n")
+
+
+def _fence(text: str, at: int) -> tuple[int, str, str] | None:
+    """The fenced block opening at `at`: (its end, its language, its body), or None while it is
+    not closed (or not a block: no newline after the language)."""
+    m = _LANG_RE.match(text, at)
+    if m is None:
+        return None
+    close = text.find(FENCE, m.end())
+    return None if close < 0 else (close + len(FENCE), m.group(1).lower(), text[m.end():close])
+
+
+def _fenced(text: str):
+    """(start, end, language, body) of each closed fenced block, in order."""
+    at = text.find(FENCE)
+    while at >= 0:
+        f = _fence(text, at)
+        if f is None:
+            at = text.find(FENCE, at + len(FENCE))
+            continue
+        yield at, f[0], f[1], f[2]
+        at = text.find(FENCE, f[0])
 
 
 class ToolError(EdgespecError):
@@ -141,41 +165,74 @@ def new_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_calls(text: str, names: set[str] | frozenset[str]) -> tuple[str, list[dict]]:
-    """The calls in `text` (blocks whose JSON names an offered function, with object arguments)
-    as OpenAI's `tool_calls`, and the text outside them (other blocks stay text)."""
-    calls: list[dict] = []
-    rest: list[str] = []
-    pos = 0
-    for m in _CALL_RE.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if not (isinstance(obj, dict) and obj.get("name") in names):
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
+def _as_calls(obj, names) -> list[dict] | None:
+    """A call object (or a list of them) naming offered functions with object arguments, as
+    OpenAI's `tool_calls`; None when it is not one."""
+    objs = obj if isinstance(obj, list) and obj else [obj]
+    calls = []
+    for o in objs:
+        if not (isinstance(o, dict) and o.get("name") in names):
+            return None
+        args = o.get("arguments", o.get("parameters", {}))
         if isinstance(args, str):
             try:
                 args = json.loads(args)
             except ValueError:
-                continue
+                return None
         if not isinstance(args, dict):
+            return None
+        calls.append({"id": new_id(), "type": "function",
+                      "function": {"name": o["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+    return calls
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def parse_calls(text: str, names: set[str] | frozenset[str]) -> tuple[str, list[dict]]:
+    """The calls in `text` as OpenAI's `tool_calls`, and the text outside them. A call is a
+    `<tool_call>` block (the template's and the generic prompt's convention) whose JSON names an
+    offered function with object arguments; where an answer has none, a fenced ```json block, or
+    the whole answer, that is such a JSON object (or a list of them): Qwen2.5-Coder answers so
+    even when its template asks for `<tool_call>`. Anything else stays text."""
+    calls: list[dict] = []
+    rest: list[str] = []
+    pos = 0
+    for m in _CALL_RE.finditer(text):
+        found = _as_calls(_json(m.group(1)), names)
+        if found is None or len(found) != 1:
             continue
         rest.append(text[pos:m.start()])
         pos = m.end()
-        calls.append({"id": new_id(), "type": "function",
-                      "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+        calls += found
+    if not calls:
+        for start, end, lang, body in _fenced(text):
+            found = _as_calls(_json(body), names) if lang in ("", "json") else None
+            if found is None:
+                continue
+            rest.append(text[pos:start])
+            pos = end
+            calls += found
+    if not calls:
+        found = _as_calls(_json(text.strip()), names) if text.strip().startswith(("{", "[")) else None
+        return ("", found) if found else (text, [])
     rest.append(text[pos:])
     return "".join(rest), calls
 
 
 class CallHold:
-    """Streaming with tools: `feed(piece)` returns the text that can go out as content now; from
-    the first `<tool_call>` on, text is held (it becomes calls, or content at the end), and a
-    tail that could be the start of one is held until it is not."""
+    """Streaming with tools: `feed(piece)` returns the text that can go out as content now. From
+    the first `<tool_call>` on, text is held (it becomes calls, or content at the end); a fenced
+    block is held until it closes, then held on if it is a call (see `parse_calls`), else let
+    go; an answer that starts as JSON (`{`, `[`) is held whole; a tail that could be the start of
+    a marker is held until it is not."""
 
-    def __init__(self):
+    def __init__(self, names: set[str] | frozenset[str] = frozenset()):
+        self.names = names
         self.sent = ""  # the content given out so far (a prefix of the answer's text)
         self._pending = ""
         self.inside = False
@@ -184,13 +241,37 @@ class CallHold:
         if self.inside:
             return ""
         self._pending += piece
-        i = self._pending.find(OPEN)
-        if i >= 0:
-            out, self.inside = self._pending[:i], True
-        else:
-            keep = next((k for k in range(min(len(OPEN) - 1, len(self._pending)), 0, -1)
-                         if OPEN.startswith(self._pending[-k:])), 0)
-            out = self._pending[:len(self._pending) - keep]
-        self._pending = self._pending[len(out):]
+        out = ""
+        while True:
+            p = self._pending
+            if not (self.sent + out).strip() and p.lstrip()[:1] in ("{", "["):
+                self.inside = True  # the whole answer may be one call
+                break
+            i, j = p.find(OPEN), p.find(FENCE)
+            if i >= 0 and (j < 0 or i < j):
+                out += p[:i]
+                self._pending = p[i:]
+                self.inside = True
+                break
+            if j >= 0:
+                f = _fence(p, j)
+                if f is None:  # an open fence: held until it closes
+                    out += p[:j]
+                    self._pending = p[j:]
+                    break
+                end, lang, body = f
+                if lang in ("", "json") and _as_calls(_json(body), self.names) is not None:
+                    out += p[:j]
+                    self._pending = p[j:]
+                    self.inside = True
+                    break
+                out += p[:end]  # a block that is not a call: content
+                self._pending = p[end:]
+                continue
+            keep = next((k for k in range(min(len(OPEN) - 1, len(p)), 0, -1)
+                         if OPEN.startswith(p[-k:]) or FENCE.startswith(p[-k:])), 0)
+            out += p[:len(p) - keep]
+            self._pending = p[len(p) - keep:]
+            break
         self.sent += out
         return out

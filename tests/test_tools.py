@@ -77,6 +77,24 @@ def test_call_hold_streams_content_until_a_call_starts():
     assert [h.feed(p) for p in ["a <to", "p> b"]] == ["a ", "<top> b"]  # not a call after all
 
 
+def test_fenced_and_bare_json_calls_as_qwen_coder_answers():
+    """Qwen2.5-Coder answers a tool call as a ```json block (or bare JSON) even when its template
+    asks for <tool_call>; a block of another language, or naming no offered function, is text."""
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    names = {"get_weather"}
+    for text, rest in ((f"```json\n{call}\n```", ""), (call, ""), (f"```\n[{call}]\n```", ""),
+                       (f"```python\nx = 1\n```\nThen:\n```json\n{call}\n```", "```python\nx = 1\n```\nThen:\n")):
+        got_rest, calls = parse_calls(text, names)
+        assert got_rest == rest and [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}], text
+        h = CallHold(names)
+        streamed = "".join(h.feed(text[i:i + 2]) for i in range(0, len(text), 2))
+        assert streamed == rest and h.inside, text
+    for text in ("```python\nprint(1)\n```", '```json\n{"name": "other", "arguments": {}}\n``` after', '{"a": 1}'):
+        assert parse_calls(text, names) == (text, [])
+    h = CallHold(names)  # a code block that is no call goes out once it closes
+    assert "".join(h.feed(p) for p in ["See:\n``", "`py\nx", " = 1\n``", "`\nok"]) == "See:\n```py\nx = 1\n```\nok"
+
+
 def test_generic_prompt_and_history_for_a_template_without_tools():
     msgs, tools = for_template("{{ messages }}", [{"role": "system", "content": "Be brief."}] + HISTORY, TOOLS)
     assert tools is None

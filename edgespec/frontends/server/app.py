@@ -383,7 +383,7 @@ class Server:
             d = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice], **extra}
             return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
 
-        holds = {i: CallHold() for i in range(req.n)} if chat and req.tool_names else None
+        holds = {i: CallHold(req.tool_names) for i in range(req.n)} if chat and req.tool_names else None
         finished = False
         try:
             for i in range(req.n):
