@@ -21,7 +21,7 @@ CHAT_URL, TEXT_URL = "/v1/chat/completions", "/v1/completions"
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 16
 MAX_N = 16  # choices per request (each its own sequence)
-# Fields clients send that change nothing here: accepted and ignored (README, serve section).
+# Fields clients send that change nothing here: accepted and ignored (docs/serving.md, serve section).
 IGNORED = ("store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "user")
 
 Number = Union[StrictInt, StrictFloat]
