@@ -47,8 +47,7 @@ def models(tmp_path_factory):
 
 
 def _close(eng: Engine) -> None:
-    mtp.release(eng)  # the MTP context before the model it runs on (the engine does not know it yet)
-    eng.close()
+    eng.close()  # the MTP context (a side context) first, then the model it runs on
 
 
 def _engine(path: Path, **kw) -> Engine:
@@ -166,7 +165,7 @@ def reference_seed_logits(eng: Engine, tokens: list[int]) -> np.ndarray:
     for its nextn rows h, then a fresh MTP context decodes (tokens[k], h[k-1]) for every k."""
     model = eng.target
     t = Context(model, ContextConfig(eng.ctx.n_ctx, 512, 1, 1, eng.cfg.kv_type))
-    m = mtp.MtpContext(eng)
+    m = mtp.MtpContext(model, eng.ctx, eng.cfg.threads, eng.cfg.kv_type)
     try:
         llama_ext.fn("set_embeddings_nextn")(t.ptr, True, False)
         n = len(tokens) - 1

@@ -60,7 +60,11 @@ _ALL_OUTPUT_FLOATS = 1 << 20  # logits a catch-up may copy out rather than decod
 
 class Eagle3Runtime:
     """The draft model, its context (partnered with one target context) and a reusable
-    llama_batch_ext: made once per engine target context, shared by its generations."""
+    llama_batch_ext: made once per engine target context, shared by its generations. A side
+    context bound to the target's context (`edgespec.side`): its draft context reads the target's
+    through ctx_other, so it is closed before that context is swapped or freed."""
+
+    bound = True
 
     def __init__(self, target: Model, target_ctx: Context, path: str | Path, n_gpu_layers: int = 0,
                  threads: int = 0, kv_type: str = DEFAULT_KV, n_seq_max: int = 9):
@@ -481,31 +485,19 @@ class Eagle3Drafter(TokenTimed):
 
 def build(engine, heads_path: str | Path, tree: bool | None = None) -> Eagle3Drafter:
     """A drafter for one generation on `engine`'s target context. The draft model and context
-    are made once per target context (cached as `engine._eagle3`) and made again when the engine
-    swapped its context (batch streams): the draft context points at the target's."""
+    are made once per target context (kept among the engine's side contexts as
+    `engine.side["eagle3"]`) and made again when the engine swapped its context (batch streams):
+    the draft context points at the target's."""
     c = engine.cfg
-    rt: Eagle3Runtime | None = getattr(engine, "_eagle3", None)
     path = Path(heads_path)
-    if rt is None or rt.target_ctx is not engine.ctx or rt.path != path or not rt.ctx.ptr or not engine.ctx.ptr:
-        if rt is not None:
-            rt.close()
-            engine._eagle3 = None
-        beam = 4
-        # f16 cache whatever the target's: the draft's one layer costs little memory, and its
-        # exactness does not matter (q8_0 there flips the draft's near-ties a little more often)
-        rt = Eagle3Runtime(engine.target, engine.ctx, path, c.n_gpu_layers, c.threads_draft or c.threads, "f16",
-                           n_seq_max=1 + 2 * beam)
-        engine._eagle3 = rt
+    beam = 4
+    # f16 cache whatever the target's: the draft's one layer costs little memory, and its
+    # exactness does not matter (q8_0 there flips the draft's near-ties a little more often)
+    rt = engine.side.keep(
+        "eagle3", lambda: Eagle3Runtime(engine.target, engine.ctx, path, c.n_gpu_layers, c.threads_draft or c.threads,
+                                        "f16", n_seq_max=1 + 2 * beam),
+        fits=lambda rt: rt.target_ctx is engine.ctx and rt.path == path and bool(rt.ctx.ptr) and bool(engine.ctx.ptr))
     if tree is None:
         tree = c.max_branches > 1
     return Eagle3Drafter(rt, n_max=max(1, c.draft_n_max), n_min=c.draft_n_min, p_min=c.draft_p_min, tree=tree,
                          is_stop=engine.target.is_eog)
-
-
-def release(engine) -> None:
-    """Free the engine's EAGLE-3 draft context and model (before the engine closes its target:
-    the draft context reads the target's through ctx_other)."""
-    rt = getattr(engine, "_eagle3", None)
-    if rt is not None:
-        rt.close()
-        engine._eagle3 = None

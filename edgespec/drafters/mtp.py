@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,12 +40,9 @@ import llama_cpp as lc
 from .. import llama_ext
 from ..draft import Draft
 from ..errors import EdgespecError
-from ..llama import Context, ContextConfig, last_log_error
+from ..llama import Context, ContextConfig, Model, last_log_error
 from ..sampling import warp
 from .base import Budget, Calibration, TokenTimed, top_prob
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine
 
 # GGUF architectures whose llama.cpp 0.3.36 graph has an MTP branch (LLM_GRAPH_TYPE_DECODER_MTP,
 # grep `graph_mtp` in src/models/). Others may carry nextn tensors (glm4, exaone4, ...) but only
@@ -63,10 +59,12 @@ _F = ctypes.POINTER(ctypes.c_float)
 class MtpContext:
     """The MTP context of one target context: same llama_model, its own KV cache (the nextn
     layers only) and a reusable llama_batch_ext (rows carry a token AND an h row, which the
-    plain llama_batch cannot)."""
+    plain llama_batch cannot). A side context bound to the target's context (`edgespec.side`):
+    the two share positions, so it is made again when the engine swaps that context."""
 
-    def __init__(self, engine: "Engine"):
-        model = engine.target
+    bound = True
+
+    def __init__(self, model: Model, target_ctx: Context, threads: int, kv_type: str):
         name = model.path.name
         if model.n_layer_nextn <= 0:
             raise EdgespecError(f"{name} has no MTP (nextn) layers; --spec mtp needs a GGUF converted with its "
@@ -77,10 +75,8 @@ class MtpContext:
                                 f"{model.arch}; --spec mtp runs on {', '.join(sorted(MTP_ARCHS))}")
         if not model.load_mtp:
             raise EdgespecError(f"internal: {name} was loaded without its MTP layers (load_mtp)")
-        cfg = engine.cfg
-        self.target_ctx: Context = engine.ctx
-        self.ctx = Context(model, ContextConfig(engine.ctx.n_ctx, engine.ctx.n_batch,
-                                                cfg.threads_draft or cfg.threads, 1, cfg.kv_type,
+        self.target_ctx: Context = target_ctx
+        self.ctx = Context(model, ContextConfig(target_ctx.n_ctx, target_ctx.n_batch, threads, 1, kv_type,
                                                 ctx_type=lc.LLAMA_CONTEXT_TYPE_MTP))
         self.n_embd = int(lc.llama_model_n_embd_out(model.ptr))  # MTP rows are n_embd_out wide
         llama_ext.fn("set_embeddings_nextn")(self.ctx.ptr, True, True)  # h_nextn of output rows
@@ -288,26 +284,14 @@ class MtpDrafter(TokenTimed):
         self._h = {}
 
 
-def build(engine: "Engine", n_max: int = 1) -> MtpDrafter:
+def build(engine, n_max: int = 1) -> MtpDrafter:
     """An MTP drafter for one generation on `engine`'s target context. The MTP context is made
-    once per target context and kept on the engine (`engine._mtp`): a new one when the engine
-    swapped its target context (batch streams), since the pair shares positions. One generation
-    at a time: a new drafter clears the MTP cache. `n_max` > 1 (or --spec-draft-n-min) lets a
-    step chain that many tokens; the cost curve decides how many are verified."""
-    m: MtpContext | None = getattr(engine, "_mtp", None)
-    if m is None or m.target_ctx is not engine.ctx or not m.ctx.ptr:
-        if m is not None:
-            m.close()
-        m = MtpContext(engine)
-        engine._mtp = m
+    once per target context and kept among the engine's side contexts (`engine.side["mtp"]`): a
+    new one when the engine swapped its target context (batch streams), since the pair shares
+    positions. One generation at a time: a new drafter clears the MTP cache. `n_max` > 1 (or
+    --spec-draft-n-min) lets a step chain that many tokens; the cost curve decides how many are
+    verified."""
     c = engine.cfg
+    m = engine.side.keep("mtp", lambda: MtpContext(engine.target, engine.ctx, c.threads_draft or c.threads, c.kv_type),
+                         fits=lambda m: m.target_ctx is engine.ctx and bool(m.ctx.ptr))
     return MtpDrafter(m, n_max=max(1, n_max, c.draft_n_min), p_min=c.draft_p_min, is_stop=engine.target.is_eog)
-
-
-def release(engine: "Engine") -> None:
-    """Free the engine's MTP context, if any. Call before the target model is freed: a
-    context must not outlive its llama_model (Engine.close)."""
-    m: MtpContext | None = getattr(engine, "_mtp", None)
-    if m is not None:
-        m.close()
-        engine._mtp = None
