@@ -320,10 +320,6 @@ class Context:
         self._row_type = ctypes.c_float * model.n_vocab
         self._views: dict[int, np.ndarray] = {}  # logits row address -> a view of it
 
-    def set_threads(self, n: int) -> None:
-        lc.llama_set_n_threads(self.ptr, n, n)
-        self.n_threads = n
-
     def decode(
         self,
         tokens: list[int],

@@ -35,7 +35,6 @@ class Method:
     summary: str
     scheduler: str = "sequential"  # "sequential": the one-step loop drives `build`'s drafter; "pearl"
     needs_draft_model: bool = False
-    needs_target_hidden: bool = False  # heads that read the target's hidden states (Medusa, EAGLE, MTP)
     needs_heads: bool = False  # a heads file (--heads)
     trees: bool = False  # may draft several branches per step
     multi_sequence: bool = False  # runs with several sequences per decode (-np > 1)
@@ -172,13 +171,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("pearl", "the draft model drafts in its own thread while the target verifies (PEARL)",
            scheduler="pearl", needs_draft_model=True),
     Method("medusa", "Medusa heads on the target's last hidden state propose the next tokens, as a tree",
-           build=_medusa, needs_target_hidden=True, needs_heads=True, trees=True),
+           build=_medusa, needs_heads=True, trees=True),
     Method("eagle", "an EAGLE head runs ahead on the target's features (EAGLE-2's dynamic tree)",
-           build=_eagle, needs_target_hidden=True, needs_heads=True, trees=True),
+           build=_eagle, needs_heads=True, trees=True),
     Method("eagle3", "an EAGLE-3 head (three target layers fused) in llama.cpp's own eagle3 graph (EAGLE-2's tree)",
-           build=_eagle3, needs_target_hidden=True, needs_heads=True, trees=True),
+           build=_eagle3, needs_heads=True, trees=True),
     Method("mtp", "multi-token prediction: the model's nextn layers (DeepSeek-V3 style), or a trained MTP module",
-           build=_mtp, needs_target_hidden=True, needs_heads=True, trees=True),
+           build=_mtp, needs_heads=True, trees=True),
 )}
 
 

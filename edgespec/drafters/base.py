@@ -35,7 +35,9 @@ class Budget:
 
 class Drafter(Protocol):
     name: str
-    # Heads read the target's hidden states (post-norm features): `observe` gets them for the
+    # Heads read the target's hidden states (post-norm features, or with `hidden_taps` the inputs
+    # of those target layers, EAGLE-3): `observe(hidden, pos)` gets the features of committed
+    # positions pos .. pos+len(hidden)-1 (row i predicts the token after position pos+i) for the
     # prompt (every row when `needs_prompt_hidden`, else the last) and after each step for the
     # root row and the accepted nodes.
     needs_target_hidden: bool
@@ -51,15 +53,6 @@ class Drafter(Protocol):
 
     def end(self) -> None:
         """The generation is over (finished, stopped or failed)."""
-
-
-class HiddenDrafter(Drafter, Protocol):
-    needs_prompt_hidden: bool
-    hidden_taps: tuple[int, ...] | None  # EAGLE-3: the target layers whose inputs `observe` gets
-
-    def observe(self, hidden: np.ndarray, pos: int) -> None:
-        """The target's features of committed positions `pos .. pos+len(hidden)-1` (row i is
-        the state at position pos+i, the one that predicts the token after it)."""
 
 
 class Calibration:

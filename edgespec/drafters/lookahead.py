@@ -59,7 +59,6 @@ class LookaheadDrafter:
         self._s = 1
         self._closing: list[int] = []  # nodes of the last draft that close a prompt's message
         self._ends: tuple[int, ...] = ()
-        self.last_branches = 0
 
     def begin(self, prompt: list[int]) -> None:
         self._cursor = Cursor()

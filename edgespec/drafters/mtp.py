@@ -133,8 +133,6 @@ class MtpDrafter(TokenTimed):
     # The MTP reads the target's nextn rows itself (`observe_rows`), not the post-norm features
     # the scheduler's `observe` would copy for heads.
     needs_target_hidden = False
-    needs_prompt_hidden = True
-    reads_target_rows = True
 
     def __init__(self, mtp: MtpContext, n_max: int = 1, p_min: float = 0.0, is_stop=None):
         """`n_max`: draft tokens per step at most (1: the MTP's trained depth; more chain its
@@ -186,11 +184,6 @@ class MtpDrafter(TokenTimed):
         end = pos + len(rows)
         if self._prompt is not None and end <= len(self._prompt):
             self._sync(self._prompt[:end], out_last=False)
-
-    def observe(self, hidden: np.ndarray, pos: int, rows: list[int]) -> None:
-        """The heads' hook, for a scheduler that reports rows with the post-norm features (which
-        the MTP does not use)."""
-        self.observe_rows(pos, rows)
 
     def _sync(self, tokens: list[int], out_last: bool) -> int:
         """Make the MTP cache hold exactly `tokens`, row k being (tokens[k], h_{k-1}); with
