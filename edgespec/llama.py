@@ -384,6 +384,11 @@ class Context:
             lc.llama_set_embeddings(self.ptr, on)
             self._embeddings = on
 
+    @property
+    def embeddings(self) -> bool:
+        """Whether hidden states are output beside the logits (set_embeddings)."""
+        return getattr(self, "_embeddings", False)
+
     def set_hidden_taps(self, layers: tuple[int, ...] | None) -> None:
         """With `layers`, `hidden` gives the inputs of those layers (EAGLE-3's taps), concatenated,
         instead of the post-norm output; None goes back to the output. Set before decoding."""

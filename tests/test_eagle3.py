@@ -327,7 +327,7 @@ def test_converted_file_loads_in_llamacpp(smol_e3, smol_engine):
     d = e3.build(smol_engine, path)
     # the draft context borrows the target's embeddings and LM head (the file has neither)
     assert llama_ext.fn("get_ctx_other")(d.rt.ctx.ptr) == smol_engine.ctx.ptr
-    assert d.hidden_taps == (2, 15, 27)
+    assert d.reads == "layer taps" and d.taps == (2, 15, 27)
     assert e3.build(smol_engine, path).rt is d.rt  # made once per target context
 
 

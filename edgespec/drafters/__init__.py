@@ -3,33 +3,31 @@
 from __future__ import annotations
 
 from ..draft import Draft
-from .base import Budget, Calibration, Drafter, NullDrafter
+from .base import FEATURES, NEXTN_ROWS, NOTHING, Budget, Calibration, Drafter, NullDrafter
 
 class ChainDrafter:
     """Several drafters in order: the first that drafts wins the step (as llama.cpp chains).
     Each member decides from its own measured cost and confidence whether it drafts at all, so
     a later one drafts exactly where the earlier ones found nothing worth a verified row.
 
-    A member that reads the target's rows (MTP's nextn states, `observe_rows`) gets them after
-    every step, whoever drafted it: its own cache follows every committed token. Members that
-    need the target's post-norm features (trained heads) are not chained."""
+    A member that reads the target's rows (MTP's nextn states) gets them after every step,
+    whoever drafted it: its own cache follows every committed token. Members that need the
+    target's features (trained heads, EAGLE-3) are not chained."""
 
-    needs_target_hidden = False
-    needs_prompt_hidden = False
+    taps = None
 
     def __init__(self, drafters: list[Drafter]):
-        if any(getattr(d, "needs_target_hidden", False) for d in drafters):
+        if any(d.reads in FEATURES for d in drafters):
             raise ValueError("internal: a drafter that reads the target's features cannot be chained")
         self.drafters = drafters
         self.name = "+".join(d.name for d in drafters)
         self._last: Drafter | None = None
-        readers = [d.observe_rows for d in drafters if hasattr(d, "observe_rows")]
-        if readers:
-            def observe_rows(pos: int, rows: list[int]) -> None:
-                for read in readers:
-                    read(pos, rows)
+        self._readers = [d for d in drafters if d.reads == NEXTN_ROWS]
+        self.reads = NEXTN_ROWS if self._readers else NOTHING
 
-            self.observe_rows = observe_rows
+    def observe(self, pos: int, rows: list[int], hidden=None) -> None:
+        for d in self._readers:
+            d.observe(pos, rows, hidden)
 
     def begin(self, prompt: list[int]) -> None:
         for d in self.drafters:

@@ -5,7 +5,7 @@ loaded as a model of its own, with a context that borrows the target's token emb
 head through `ctx_other` (llama.cpp keeps it only when the file lacks them). It is driven the way
 `common/speculative.cpp` drives `draft-eagle3`:
 
-* The target records the inputs of three of its layers (`hidden_taps`, the file's
+* The target records the inputs of three of its layers (`taps`, the file's
   `target_layers`) for every decoded row; the scheduler hands them to `observe`.
 * `observe` runs the draft's ENCODER over those rows: g[P] = fc(taps at position P).
 * The draft's decoder reads (token, g) pairs, the pair at draft position P being
@@ -41,7 +41,7 @@ from ..errors import EdgespecError, VocabMismatchError
 from ..heads.format import HeadsError
 from ..kv import common_prefix
 from ..llama import DEFAULT_KV, Context, ContextConfig, Model, last_log_error
-from .base import Budget, Calibration, TokenTimed
+from .base import LAYER_TAPS, Budget, Calibration, TokenTimed
 from .heads import _top, select
 
 # GGUF architectures whose llama.cpp graph records layer inputs (`res->t_layer_inp[il]`, grep
@@ -287,8 +287,7 @@ class Eagle3Drafter(TokenTimed):
     """Proposes a chain (or an EAGLE-2 tree) with llama.cpp's eagle3 graph; see the module doc."""
 
     name = "eagle3"
-    needs_target_hidden = True
-    needs_prompt_hidden = True
+    reads = LAYER_TAPS
 
     def __init__(self, rt: Eagle3Runtime, n_max: int = 16, n_min: int = 0, p_min: float = 0.0,
                  tree: bool = False, top_k: int = 4, beam: int = 4, p_stop: float = 0.02, is_stop=None):
@@ -296,7 +295,7 @@ class Eagle3Drafter(TokenTimed):
         out (where the target ends there, the row before yields it as the step's own token)."""
         self.rt = rt
         self.is_stop = is_stop
-        self.hidden_taps = rt.taps
+        self.taps = rt.taps
         self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
         self.tree = tree and rt.n_seq_max >= 1 + 2 * beam
         self.top_k, self.beam, self.p_stop = top_k, beam, p_stop
@@ -325,7 +324,7 @@ class Eagle3Drafter(TokenTimed):
     def _n_g(self) -> int:
         return self._n_dec + sum(len(g) for g in self._g)
 
-    def observe(self, hidden: np.ndarray, pos: int) -> None:
+    def observe(self, pos: int, rows: list[int], hidden: np.ndarray | None) -> None:
         g = self.rt.encode(hidden)
         have = self._n_g()
         if pos > have:

@@ -11,7 +11,7 @@ only the nextn layers, the target's only the trunk. This drafter drives it the w
   `llama_set_embeddings_nextn`; what h is depends on the architecture: the pre-norm trunk output
   for mimo2, post-norm for qwen35; llama.cpp's graph decides, not us). These are NOT the post-norm
   embeddings `Context.hidden` gives, so the drafter reads them itself, from the rows the
-  scheduler names right after each target decode (`observe_rows`), before anything else decodes.
+  scheduler names right after each target decode (`observe`), before anything else decodes.
 * The MTP row at position k is (token x_k, h_{k-1}) and predicts x_{k+1}. The row of the last
   committed token waits for the h of the row before it, which arrives with the next verification
   (the "deferred pending h"); `propose` decodes every row still missing in ONE llama_process
@@ -42,7 +42,7 @@ from ..draft import Draft
 from ..errors import EdgespecError
 from ..llama import Context, ContextConfig, Model, last_log_error
 from ..sampling import warp
-from .base import Budget, Calibration, TokenTimed, top_prob
+from .base import NEXTN_ROWS, Budget, Calibration, TokenTimed, top_prob
 
 # GGUF architectures whose llama.cpp 0.3.36 graph has an MTP branch (LLM_GRAPH_TYPE_DECODER_MTP,
 # grep `graph_mtp` in src/models/). Others may carry nextn tensors (glm4, exaone4, ...) but only
@@ -130,9 +130,10 @@ class MtpDrafter(TokenTimed):
     """Drafts with the target's nextn layers (see the module docstring)."""
 
     name = "mtp"
-    # The MTP reads the target's nextn rows itself (`observe_rows`), not the post-norm features
-    # the scheduler's `observe` would copy for heads.
-    needs_target_hidden = False
+    # The MTP reads the target's nextn rows itself (`observe`'s batch rows), not the post-norm
+    # features the scheduler copies for heads.
+    reads = NEXTN_ROWS
+    taps = None
 
     def __init__(self, mtp: MtpContext, n_max: int = 1, p_min: float = 0.0, is_stop=None):
         """`n_max`: draft tokens per step at most (1: the MTP's trained depth; more chain its
@@ -164,7 +165,7 @@ class MtpDrafter(TokenTimed):
         self.m.reset()
         self._h = {}
 
-    def observe_rows(self, pos: int, rows: list[int]) -> None:
+    def observe(self, pos: int, rows: list[int], hidden: np.ndarray | None = None) -> None:
         """The target just decoded batch rows `rows`, holding committed positions pos, pos+1, ...
         (a prompt chunk, or the root and accepted nodes of a verification). Copies their h; a
         prompt chunk whose tokens are known (after `begin`) is decoded into the MTP cache at once,
