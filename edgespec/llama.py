@@ -435,7 +435,7 @@ class Context:
             out[j] = np.ctypeslib.as_array(ptr, shape=(d,))
         return out
 
-    # -- memory: called only by kv.KVSeq -------------------------------------------------
+    # -- memory: called only by kv.py (KVSeq, SideKV) ------------------------------------
 
     def mem_seq_rm(self, seq: int, p0: int, p1: int) -> bool:
         return bool(lc.llama_memory_seq_rm(self.mem, seq, p0, p1))

@@ -39,7 +39,7 @@ from .. import llama_ext
 from ..draft import Draft
 from ..errors import EdgespecError, VocabMismatchError
 from ..heads.format import HeadsError
-from ..kv import common_prefix
+from ..kv import SideKV, common_prefix
 from ..llama import DEFAULT_KV, Context, ContextConfig, Model, last_log_error
 from .base import LAYER_TAPS, Budget, Calibration, TokenTimed
 from .heads import _top, select
@@ -88,6 +88,7 @@ class Eagle3Runtime:
             model.close()
             raise
         self.model = model
+        self.kv = SideKV(self.ctx)
         self.H = model.n_embd
         self.n_enc = 3 * target.n_embd
         self.n_seq_max = n_seq_max
@@ -184,7 +185,7 @@ class Eagle3Runtime:
             n = min(step, len(feats) - s)
             # The encoder is per token and ignores positions, but the batch check still wants
             # them to continue sequence 0's cache (Y = X + 1): placeholders, as speculative.cpp.
-            p0 = self.ctx.mem_seq_pos_max(0) + 1
+            p0 = self.kv.end(0)
             for j in range(n):
                 self._add(0, p0 + j, None, base + (s + j) * row_bytes, self.n_enc, True)
             if not self._process(_ENCODE):
@@ -249,13 +250,13 @@ class Eagle3Runtime:
         return self._ids
 
     def reset(self) -> None:
-        self.ctx.mem_clear()
+        self.kv.clear()
 
     def drop_after(self, n: int) -> None:
         """Keep the committed pairs 0..n-1 of sequence 0; forget every draft row and branch."""
         for s in range(1, self.n_seq_max):
-            self.ctx.mem_seq_rm(s, -1, -1)
-        self.ctx.mem_seq_rm(0, n, -1)
+            self.kv.drop(s)
+        self.kv.keep(n)
 
     def close(self) -> None:
         if getattr(self, "batch", None):
@@ -448,7 +449,7 @@ class Eagle3Drafter(TokenTimed):
             seqs = free[: len(frontier)]
             for s, i in zip(seqs, frontier):
                 parent = nodes[i][1]
-                rt.ctx.mem_seq_cp(0 if parent < 0 else seq_of[parent], s, -1, -1)
+                rt.kv.fork(0 if parent < 0 else seq_of[parent], s)
                 seq_of[i] = s
                 rows.append((s, pos + depth - 1, nodes[i][2], g_of[i].ctypes.data))
             t0 = time.perf_counter()
@@ -456,7 +457,7 @@ class Eagle3Drafter(TokenTimed):
             if ok:
                 self._time_token(time.perf_counter() - t0)
             for s in cur:  # the previous depth's sequences are no longer needed
-                rt.ctx.mem_seq_rm(s, -1, -1)
+                rt.kv.drop(s)
             cur = seqs
             free = [s for s in range(1, 1 + 2 * self.beam) if s not in cur]
             if not ok:

@@ -40,6 +40,7 @@ import llama_cpp as lc
 from .. import llama_ext
 from ..draft import Draft
 from ..errors import EdgespecError
+from ..kv import SideKV
 from ..llama import Context, ContextConfig, Model, last_log_error
 from ..sampling import warp
 from .base import NEXTN_ROWS, Budget, Calibration, TokenTimed, top_prob
@@ -83,15 +84,16 @@ class MtpContext:
         self.batch = lc.llama_batch_ext_init(self.ctx.ptr)
         if not self.batch:
             raise EdgespecError(f"cannot create a batch for the MTP context of {name}")
+        self.kv = SideKV(self.ctx)
         self.tokens: list[int] = []  # what the MTP KV cache holds: position i is tokens[i]
 
     def reset(self) -> None:
-        self.ctx.mem_clear()
+        self.kv.clear()
         self.tokens = []
 
     def truncate(self, n: int) -> None:
         if n < len(self.tokens):
-            self.ctx.mem_seq_rm(0, n, -1)
+            self.kv.keep(n)
             del self.tokens[n:]
 
     def decode(self, rows: list[tuple[int, int, np.ndarray]], out_last: bool) -> None:
@@ -263,7 +265,7 @@ class MtpDrafter(TokenTimed):
                 self._time_token(time.perf_counter() - t1)
                 row, chained = 0, True
         if chained:
-            m.ctx.mem_seq_rm(0, len(context), -1)  # chained rows carry the MTP's own h: never history
+            m.kv.keep(len(context))  # chained rows carry the MTP's own h: never history
         self.t_draft += time.perf_counter() - t0
         self.n_draft += 1
         if not tokens or len(tokens) < min(budget.n_min, limit):
