@@ -20,8 +20,8 @@ from .kv import KVSeq
 from .lifecycle import Lifecycle
 from .llama import Context, ContextConfig, Model, batch_dependent, kv_paths_agree, use_exact_kernels
 from .sampling import SamplingConfig
-from .side import SideContexts
 from .schedulers.sequential import Generation
+from .side import SideContexts
 
 log = logging.getLogger(__name__)
 
