@@ -180,6 +180,3 @@ def local_gpu_devices() -> list[int]:
             out.append(dev)
     return out
 
-
-def rpc_in_use() -> bool:
-    return bool(_rpc_regs)

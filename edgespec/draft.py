@@ -60,5 +60,3 @@ class Draft:
             node = self.parents[node]
         return path[::-1]
 
-
-EMPTY = Draft()

@@ -1,8 +1,10 @@
 """The engine: the loaded target (and draft) model, their contexts and the cost curve.
 
 The engine owns every llama.cpp context: one for the target (swapped for one of several KV
-streams while a batch decodes many sequences, never both at once), one for the draft model.
-Generations are started by method name through the registry (`methods`).
+streams while a batch decodes many sequences, never both at once), one for the draft model, and
+the drafters' side contexts in one declared map (`side`: MTP, EAGLE-3, heads, lookahead's
+calibration), which it closes without knowing what they are. Generations are started by method
+name through the registry (`methods`); heads are found by `heads.store`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .lifecycle import Lifecycle
 from .llama import Context, ContextConfig, Model, batch_dependent, kv_paths_agree, use_exact_kernels
 from .sampling import SamplingConfig
 from .schedulers.sequential import Generation
+from .side import SideContexts
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,9 @@ class Engine:
         from .models import cache_root, resolve
 
         self.cfg = cfg
+        # what drafters keep across generations (MTP and EAGLE-3 contexts, heads, lookahead's
+        # calibration), by name; each closes itself, those bound to `ctx` before it is swapped
+        self.side = SideContexts()
         target_devs, draft_devs = self._devices()
         path = resolve(cfg.model, quiet=quiet)
         # K-quant weights on a CPU (--exact-kernels): the kernels whose rows do not depend on the
@@ -82,9 +88,6 @@ class Engine:
             self.draft_kv = KVSeq(self.draft_ctx)  # one per context: its token list is the cache's
             self.draft_cost = load_or_measure(self.draft_ctx, self.draft_kv, cache_root() / "costs.json",
                                               cfg.n_gpu_layers_draft, quiet, tag=",".join(cfg.rpc_draft))
-        self._heads = None  # (path, runtime) once loaded
-        self.lookahead_calib = None  # lookahead's learned acceptance per match length (methods._lookahead)
-        self.auto_gates = None  # auto's later members, switched off where they lose (drafters.chain)
         self._kinds: set[str] | None = None
         self.cost: CostModel = load_or_measure(self.ctx, self.kv, cache_root() / "costs.json", cfg.n_gpu_layers, quiet,
                                                tag=",".join(cfg.rpc))
@@ -278,69 +281,12 @@ class Engine:
     # -- heads ----------------------------------------------------------------------------
 
     def heads_kinds(self) -> set[str]:
-        """The kinds of heads this target has: the --heads file's, else those found in the heads
-        cache and shipped with edgespec; "mtp" too when the model has nextn layers."""
+        """The kinds of heads this target has (asked once; see heads.store.heads_kinds)."""
         if self._kinds is None:
-            from .heads.store import describe, kinds_for
+            from .heads.store import heads_kinds
 
-            if self.cfg.heads:
-                from pathlib import Path
-
-                p = Path(self.cfg.heads)
-                d = describe(p) if p.is_file() else None
-                if d:
-                    kinds = {d["kind"]}
-                else:
-                    from .heads.store import checkpoint_kind
-
-                    kinds = {checkpoint_kind(p)} if p.is_dir() else set()
-            else:
-                kinds = kinds_for(self.target)
-            if self.target.n_layer_nextn > 0:
-                kinds.add("mtp")
-            self._kinds = kinds
+            self._kinds = heads_kinds(self.cfg.heads, self.target)
         return self._kinds
-
-    def heads_path(self, kind: str):
-        """The heads file for method `kind`: --heads (a checkpoint folder is converted into the
-        cache once), else the one cached or shipped for this target; one clear line otherwise."""
-        from .heads.format import HeadsError
-        from .heads.store import describe, find_heads, resolve_heads
-
-        if self.cfg.heads:
-            p = resolve_heads(self.cfg.heads, kind, self.target)
-            d = describe(p)
-            if d is None:
-                raise HeadsError(f"{p} is not a heads file (made by `edgespec convert` or `edgespec train`)")
-            if d["kind"] != kind:
-                raise HeadsError(f"{p} holds {d['kind']} heads, not {kind}: use --spec {d['kind']}")
-            return p
-        p = find_heads(kind, self.target)
-        if p is None:
-            raise HeadsError(f"--spec {kind} needs heads for {self.target.path.name}: none cached or shipped; pass "
-                             f"--heads FILE, or make them with `edgespec train {kind} -m MODEL`"
-                             + (" or `edgespec convert`" if kind != "mtp" else ""))
-        return p
-
-    def load_heads(self, kind: str):
-        """The numpy runtime of the heads for method `kind` (medusa, eagle, mtp), loaded once."""
-        from .heads.format import check_target, read_heads
-        from .heads.runtime import EagleHead, MedusaHeads
-        from .heads.target import TargetWeights
-
-        path = self.heads_path(kind)
-        if self._heads is None or self._heads[0] != path:
-            from threadpoolctl import threadpool_limits
-
-            # numpy's BLAS threads spin after each call and would take the cores llama.cpp's
-            # threads need in the next decode; the heads' few rows gain nothing from them.
-            threadpool_limits(1, user_api="blas")
-            hf = read_heads(path)
-            check_target(hf, self.target)
-            tw = TargetWeights(self.target.path, self.target.n_vocab, hf.get("heads.n_embd"))
-            rt = MedusaHeads(hf, tw) if kind == "medusa" else EagleHead(hf, tw, self.n_ctx_seq)
-            self._heads = (path, rt)
-        return self._heads[1]
 
     # -- contexts -------------------------------------------------------------------------
 
@@ -356,9 +302,7 @@ class Engine:
                                  unified=False)
         if self.ctx.cfg == ccfg:
             return self.ctx
-        from .drafters.eagle3 import release as release_eagle3
-
-        release_eagle3(self)  # its draft context points at the context freed here
+        self.side.close_all(bound_only=True)  # made over the context freed here
         self.ctx.close()
         self.ctx = Context(self.target, ccfg)
         self.kv = KVSeq(self.ctx)
@@ -370,17 +314,13 @@ class Engine:
         return ContextConfig(c.n_ctx, c.n_batch, c.threads, max(1, c.max_branches), c.kv_type)
 
     def close(self) -> None:
-        from .costmodel import persist, store_extra
-        from .drafters.eagle3 import release as release_eagle3
-        from .drafters.mtp import release
+        from .costmodel import persist
 
         persist(getattr(self, "cost", None))  # what the online correction learned, for the next process
         persist(getattr(self, "draft_cost", None))
-        if getattr(self, "auto_gates", None) is not None:  # what auto's chain learned of its members
-            store_extra(self.cost, "chain", self.auto_gates.state())
 
-        release(self)  # the MTP context runs on the target model: free it first
-        release_eagle3(self)  # the EAGLE-3 draft context reads the target's context (ctx_other)
+        # side contexts run on the target model or read its context (ctx_other): free them first
+        self.side.close_all()
         for obj in (self.draft_ctx, self.draft_model, self.ctx, self.target):
             if obj is not None:
                 obj.close()

@@ -276,3 +276,33 @@ def decode_chains(ctx: Context, items: list[tuple[KVSeq, list[int], list[int]]])
         outputs.extend([False] * (len(pending) - 1) + [True] * (1 + len(chain)))
     ctx.decode(tokens, positions, seq_ids, outputs)
     return roots
+
+
+class SideKV:
+    """The KV cache of a drafter's side context that decodes through llama_batch_ext (the MTP
+    context, the EAGLE-3 draft): its positions move here, as the target's and the draft model's
+    move in `KVSeq`. The drafter lays its own rows (each carries an h row or a feature, which a
+    plain batch cannot); what the cache holds past that is cut, copied and cleared only here."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def clear(self) -> None:
+        """Every sequence emptied."""
+        self.ctx.mem_clear()
+
+    def keep(self, n: int, seq: int = 0) -> None:
+        """Keep positions 0..n-1 of `seq`: what lies past them goes."""
+        self.ctx.mem_seq_rm(seq, n, -1)
+
+    def drop(self, seq: int) -> None:
+        """Sequence `seq` emptied (a draft branch no longer needed)."""
+        self.ctx.mem_seq_rm(seq, -1, -1)
+
+    def fork(self, src: int, dst: int) -> None:
+        """Sequence `dst` also holds every cell of `src` (a branch grows from its parent)."""
+        self.ctx.mem_seq_cp(src, dst, -1, -1)
+
+    def end(self, seq: int = 0) -> int:
+        """The position after the last one `seq` holds (0 when empty)."""
+        return self.ctx.mem_seq_pos_max(seq) + 1

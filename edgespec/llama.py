@@ -327,10 +327,6 @@ class Context:
         self._row_type = ctypes.c_float * model.n_vocab
         self._views: dict[int, np.ndarray] = {}  # logits row address -> a view of it
 
-    def set_threads(self, n: int) -> None:
-        lc.llama_set_n_threads(self.ptr, n, n)
-        self.n_threads = n
-
     def decode(
         self,
         tokens: list[int],
@@ -395,6 +391,11 @@ class Context:
             lc.llama_set_embeddings(self.ptr, on)
             self._embeddings = on
 
+    @property
+    def embeddings(self) -> bool:
+        """Whether hidden states are output beside the logits (set_embeddings)."""
+        return getattr(self, "_embeddings", False)
+
     def set_hidden_taps(self, layers: tuple[int, ...] | None) -> None:
         """With `layers`, `hidden` gives the inputs of those layers (EAGLE-3's taps), concatenated,
         instead of the post-norm output; None goes back to the output. Set before decoding."""
@@ -441,7 +442,7 @@ class Context:
             out[j] = np.ctypeslib.as_array(ptr, shape=(d,))
         return out
 
-    # -- memory: called only by kv.KVSeq -------------------------------------------------
+    # -- memory: called only by kv.py (KVSeq, SideKV) ------------------------------------
 
     def mem_seq_rm(self, seq: int, p0: int, p1: int) -> bool:
         return bool(lc.llama_memory_seq_rm(self.mem, seq, p0, p1))

@@ -12,7 +12,11 @@ from .errors import EdgespecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .drafters.base import Drafter
-    from .engine import Engine
+
+# An edgespec.engine.Engine. Not imported, even for type checking: the engine imports this
+# registry, and the registry, its builders and the drafters read the engine only through what they
+# are handed (its config, target, contexts and side contexts), so no import runs back to it.
+Engine = Any
 
 
 @dataclass(frozen=True)
@@ -31,13 +35,12 @@ class Method:
     summary: str
     scheduler: str = "sequential"  # "sequential": the one-step loop drives `build`'s drafter; "pearl"
     needs_draft_model: bool = False
-    needs_target_hidden: bool = False  # heads that read the target's hidden states (Medusa, EAGLE, MTP)
     needs_heads: bool = False  # a heads file (--heads)
     trees: bool = False  # may draft several branches per step
     multi_sequence: bool = False  # runs with several sequences per decode (-np > 1)
-    build: Callable[["Engine", Options], "Drafter"] | None = None
+    build: Callable[[Engine, Options], "Drafter"] | None = None
 
-    def available(self, engine: "Engine") -> bool:
+    def available(self, engine: Engine) -> bool:
         if self.needs_draft_model and engine.draft_model is None:
             return False
         return not self.needs_heads or self.name in engine.heads_kinds()
@@ -62,10 +65,11 @@ def _lookahead(engine, opt):
         return opt.shared.drafter(opt.max_branches)
     # what the target accepted after each match length is learned across the engine's generations
     # (a chat's turns, a bench's prompts), as batch mode shares it across requests
-    if engine.lookahead_calib is None:
-        engine.lookahead_calib = new_calibration()
+    from .side import Kept
+
+    calib = engine.side.keep("lookahead", lambda: Kept(new_calibration())).value
     return LookaheadDrafter(cache_path=engine.cfg.lookahead_cache, max_branches=opt.max_branches,
-                            calib=engine.lookahead_calib, is_stop=engine.target.is_eog)
+                            calib=calib, is_stop=engine.target.is_eog)
 
 
 def _draft(engine, opt):
@@ -108,32 +112,40 @@ def _native_mtp_drafter(engine, opt):
 
 
 def _auto(engine, opt):
-    from .drafters import ChainDrafter, ChainGates
+    from .drafters.chain import ChainDrafter, KeptGates
 
+    names = auto_members(engine, opt.single_sequence)
     build = {"lookahead": _lookahead, "mtp": _native_mtp_drafter, "draft": _draft}
-    chain = [build[name](engine, opt) for name in auto_members(engine, opt.single_sequence)]
+    chain = [build[name](engine, opt) for name in names]
     if len(chain) == 1:
         return chain[0]
-    # what each later member gained or lost is kept across the engine's generations (a chat's turns)
-    if engine.auto_gates is None:
-        from .costmodel import load_extra
-
-        engine.auto_gates = ChainGates.restore(load_extra(engine.cost, "chain"))
-    names = auto_members(engine, opt.single_sequence)
+    # what each later member gained or lost outlives the generation (a chat's turns) and, beside
+    # the cost curve, the process
+    gates = engine.side.keep("auto", lambda: KeptGates(engine.cost)).value
     keys = [f"draft:{engine.draft_model.path.name}" if n == "draft" else n for n in names]
-    return ChainDrafter(chain, engine.auto_gates, keys)
+    return ChainDrafter(chain, gates, keys)
+
+
+def heads_runtime(engine, kind: str):
+    """The numpy runtime of the heads for method `kind` (medusa, eagle, mtp): loaded once, kept
+    among the engine's side contexts while the heads file stays the same."""
+    from .heads.store import HeadsRuntime, heads_path
+
+    path = heads_path(engine.cfg.heads, kind, engine.target)
+    return engine.side.keep("heads", lambda: HeadsRuntime(path, kind, engine.target, engine.n_ctx_seq),
+                            fits=lambda h: h.path == path).runtime
 
 
 def _medusa(engine, opt):
     from .drafters.heads import MedusaDrafter
 
-    return MedusaDrafter(engine.load_heads("medusa"), is_stop=engine.target.is_eog)
+    return MedusaDrafter(heads_runtime(engine, "medusa"), is_stop=engine.target.is_eog)
 
 
 def _eagle(engine, opt):
     from .drafters.heads import EagleDrafter
 
-    head = engine.load_heads("eagle")
+    head = heads_runtime(engine, "eagle")
     return EagleDrafter(head, depth=max(1, min(engine.cfg.draft_n_max, 8)), is_stop=engine.target.is_eog)
 
 
@@ -143,14 +155,15 @@ def _mtp(engine, opt):
         return _native_mtp_drafter(engine, opt)
     from .drafters.heads import EagleDrafter
 
-    return EagleDrafter(engine.load_heads("mtp"), depth=max(1, min(engine.cfg.draft_n_max, 1 + engine.cfg.draft_n_min // 4)),
+    return EagleDrafter(heads_runtime(engine, "mtp"), depth=max(1, min(engine.cfg.draft_n_max, 1 + engine.cfg.draft_n_min // 4)),
                         name="mtp", is_stop=engine.target.is_eog)
 
 
 def _eagle3(engine, opt):
     from .drafters.eagle3 import build
+    from .heads.store import heads_path
 
-    return build(engine, engine.heads_path("eagle3"), tree=opt.max_branches > 1)
+    return build(engine, heads_path(engine.cfg.heads, "eagle3", engine.target), tree=opt.max_branches > 1)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -167,13 +180,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("pearl", "the draft model drafts in its own thread while the target verifies (PEARL)",
            scheduler="pearl", needs_draft_model=True),
     Method("medusa", "Medusa heads on the target's last hidden state propose the next tokens, as a tree",
-           build=_medusa, needs_target_hidden=True, needs_heads=True, trees=True),
+           build=_medusa, needs_heads=True, trees=True),
     Method("eagle", "an EAGLE head runs ahead on the target's features (EAGLE-2's dynamic tree)",
-           build=_eagle, needs_target_hidden=True, needs_heads=True, trees=True),
+           build=_eagle, needs_heads=True, trees=True),
     Method("eagle3", "an EAGLE-3 head (three target layers fused) in llama.cpp's own eagle3 graph (EAGLE-2's tree)",
-           build=_eagle3, needs_target_hidden=True, needs_heads=True, trees=True),
+           build=_eagle3, needs_heads=True, trees=True),
     Method("mtp", "multi-token prediction: the model's nextn layers (DeepSeek-V3 style), or a trained MTP module",
-           build=_mtp, needs_target_hidden=True, needs_heads=True, trees=True),
+           build=_mtp, needs_heads=True, trees=True),
 )}
 
 
@@ -193,12 +206,12 @@ def multi_sequence() -> list[str]:
     return [m.name for m in METHODS.values() if m.multi_sequence]
 
 
-def available(engine: "Engine") -> list[str]:
+def available(engine: Engine) -> list[str]:
     """The methods this engine can run (the chat UI's drafter switch)."""
     return [m.name for m in METHODS.values() if m.available(engine)]
 
 
-def build_drafter(engine: "Engine", name: str, opt: Options) -> "Drafter":
+def build_drafter(engine: Engine, name: str, opt: Options) -> "Drafter":
     m = get(name)
     if m.build is None:
         raise EdgespecError(f"{name} is a scheduler of its own, not a drafter: start it with Engine.start")

@@ -65,13 +65,11 @@ class Spy:
     def __init__(self, inner):
         self.inner = inner
         self.name = inner.name
-        self.needs_target_hidden = getattr(inner, "needs_target_hidden", False)
-        self.needs_prompt_hidden = getattr(inner, "needs_prompt_hidden", False)
-        self.hidden_taps = getattr(inner, "hidden_taps", None)
+        self.reads, self.taps = inner.reads, inner.taps
         self.log = []
 
-    def observe(self, hidden, pos):
-        self.inner.observe(hidden, pos)
+    def observe(self, pos, rows, hidden):
+        self.inner.observe(pos, rows, hidden)
 
     def begin(self, prompt):
         self.inner.begin(prompt)

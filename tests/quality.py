@@ -1,6 +1,6 @@
 """What a quantization costs: perplexity of each variant of the default model, and how often its
 top token agrees with the Q8_0 variant's, teacher-forced through llama.cpp over the message
-texts of shared/bench/prompts.jsonl (README: "The default stays the catalog's Q4_1 file").
+texts of shared/bench/prompts.jsonl (docs/models.md: "The default stays the catalog's Q4_1 file").
 
     python tests/quality.py [--suite ../shared/bench/prompts.jsonl] [--models a,b,c]
 """

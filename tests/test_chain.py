@@ -23,6 +23,8 @@ class Clock:
 class Member:
     """Drafts `n` tokens every `every`-th time it is asked, spending `cost` seconds per asking."""
 
+    reads = "nothing"
+
     def __init__(self, name, clock, cost, every, n=3):
         self.name, self.clock, self.cost, self.every, self.n = name, clock, cost, every, n
         self.asked = 0

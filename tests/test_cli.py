@@ -234,3 +234,32 @@ def test_registry_is_the_one_list_of_methods():
     table = readme[readme.index("## Methods"):readme.index("## Commands")]
     assert re.findall(r"^\| `(\w+)`", table, re.M) == methods.names()
     assert methods.multi_sequence() == ["none", "ngram", "lookahead", "auto"]
+
+
+def test_readme_and_docs_cover_every_command():
+    """The README lists every command in one line each, in the CLI's order; every flag of every
+    command is documented under docs/; every document the README links to exists."""
+    import re
+    from pathlib import Path
+
+    from edgespec.frontends.cli import build_parser
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    subs = build_parser()._subparsers._group_actions[0].choices
+    table = readme[readme.index("## Commands"):readme.index("## Measured here")]
+    assert re.findall(r"^\| `edgespec (\w+)`", table, re.M) == list(subs)
+    docs = {p.name: p.read_text() for p in (root / "docs").glob("*.md")}
+    reference = docs["commands.md"] + docs["serving.md"] + docs["heads.md"]
+    for name in subs:                           # a section per command
+        assert re.search(rf"^## `edgespec {name}[ `]", reference, re.M) or \
+            re.search(rf"^## .*`edgespec {name}[ `]", docs["commands.md"], re.M), name
+    everything = "\n".join(docs.values())
+    for name, parser in subs.items():           # every flag, in one of its spellings
+        for a in parser._actions:
+            if a.option_strings and "-h" not in a.option_strings:
+                assert any(re.search(r"(?<![\w-])" + re.escape(o) + r"(?![\w-])", everything)
+                           for o in a.option_strings), (name, a.option_strings)
+    for link in re.findall(r"\]\((docs/[^)#]+)", readme):
+        assert (root / link).is_file(), link
+    assert "![" in readme and (root / "docs" / "bench.png").is_file()

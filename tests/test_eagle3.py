@@ -79,8 +79,7 @@ def smol_engine(smol_e3):
     # the smol engine's cost curve is the user's (the embedded model's, as in conftest)
     eng = Engine(EngineConfig(model=SMOL, heads=str(smol_e3[0]), n_ctx=1024, threads=1, draft_n_min=3, draft_n_max=6))
     yield eng
-    e3.release(eng)
-    eng.close()
+    eng.close()  # the EAGLE-3 side context first
 
 
 # -- the bigram target ---------------------------------------------------------------------
@@ -191,8 +190,7 @@ def bigram(tmp_path_factory):
         eng = Engine(EngineConfig(model=str(path), n_ctx=1024, threads=1, draft_n_max=8, max_branches=8))
     eng.cost = flat(0.01)
     yield SimpleNamespace(eng=eng, E=E, W=W, nxt=bigram_next(E, W), files=files, dir=d)
-    e3.release(eng)
-    eng.close()
+    eng.close()  # the EAGLE-3 side context first
 
 
 def _relaid(log) -> int:
@@ -329,7 +327,7 @@ def test_converted_file_loads_in_llamacpp(smol_e3, smol_engine):
     d = e3.build(smol_engine, path)
     # the draft context borrows the target's embeddings and LM head (the file has neither)
     assert llama_ext.fn("get_ctx_other")(d.rt.ctx.ptr) == smol_engine.ctx.ptr
-    assert d.hidden_taps == (2, 15, 27)
+    assert d.reads == "layer taps" and d.taps == (2, 15, 27)
     assert e3.build(smol_engine, path).rt is d.rt  # made once per target context
 
 

@@ -5,7 +5,6 @@ accepted every time. Everything runs on one thread in well under a minute."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import subprocess
@@ -24,17 +23,11 @@ from edgespec.engine import Engine, EngineConfig
 from edgespec.errors import EdgespecError
 from edgespec.llama import Context, ContextConfig
 from edgespec.sampling import SamplingConfig
-from edgespec.schedulers import sequential
 from edgespec.schedulers.sequential import Generation
 
 GREEDY = SamplingConfig(temp=0.0)
 SPEC_BIN = (Path(os.environ.get("LLAMA_TOOLS_DIR", "/root/.cache/edgespec-ref/llama.cpp-0.3.36"))
             / "build/bin/llama-speculative-simple")
-
-# Does the sequential loop report the target's rows itself (the hooks proposed with the MTP
-# drafter)? Until it does, `_Emulated` stands in for them.
-INTEGRATED = "observe_rows" in inspect.getsource(sequential)
-
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -47,8 +40,7 @@ def models(tmp_path_factory):
 
 
 def _close(eng: Engine) -> None:
-    mtp.release(eng)  # the MTP context before the model it runs on (the engine does not know it yet)
-    eng.close()
+    eng.close()  # the MTP context (a side context) first, then the model it runs on
 
 
 def _engine(path: Path, **kw) -> Engine:
@@ -77,30 +69,17 @@ def agree(models):
 
 class _Driver:
     """The drafter as the scheduler sees it, recording the MTP's seed-row logits of every
-    proposal (with n_max=1 the seed row is the MTP context's last output).
-
-    Without the integrated hooks it stands in for them: the prompt's chunks are reported by
-    `_Emulated`, and a verification's rows through the heads' `observe`: with chain drafts and
-    one pending token the root and the accepted nodes are batch rows 0..j."""
+    proposal (with n_max=1 the seed row is the MTP context's last output)."""
 
     def __init__(self, d: mtp.MtpDrafter):
         self.d = d
         self.name = d.name
+        self.reads, self.taps = d.reads, d.taps
         self.seed_logits: list[tuple[list[int], np.ndarray]] = []
-        self.needs_target_hidden = not INTEGRATED
-        self.needs_prompt_hidden = False
-        self._prompt_row = True
-        if INTEGRATED:
-            self.observe_rows = d.observe_rows
+        self.observe = d.observe
 
     def begin(self, prompt):
         self.d.begin(prompt)
-
-    def observe(self, hidden, pos):
-        if self._prompt_row:  # the prompt's last row: reported with its chunk already
-            self._prompt_row = False
-            return
-        self.d.observe_rows(pos, list(range(len(hidden))))
 
     def propose(self, context, budget):
         draft = self.d.propose(context, budget)
@@ -115,30 +94,9 @@ class _Driver:
         self.d.end()
 
 
-class _Emulated(Generation):
-    """The sequential loop with the prompt hook proposed for MTP: every chunk of the prompt the
-    target decodes is reported to the drafter (after `begin`) right after its decode."""
-
-    def _prologue(self, kv, hidden="", taps=None):
-        d = self.drafter.d
-        d.begin(self.prompt)
-        ctx = kv.ctx
-
-        def decode(tokens, positions, seq_ids, outputs, _orig=ctx.decode):
-            _orig(tokens, positions, seq_ids, outputs)
-            d.observe_rows(positions[0], list(range(len(tokens))))
-
-        ctx.decode = decode
-        try:
-            return super()._prologue(kv, hidden, taps)
-        finally:
-            del ctx.decode
-
-
 def _generation(eng: Engine, prompt: list[int], n: int, n_max: int = 1) -> tuple[Generation, _Driver]:
     drv = _Driver(mtp.build(eng, n_max=n_max))
-    cls = Generation if INTEGRATED else _Emulated
-    return cls(eng, prompt, n, GREEDY, drafter=drv), drv
+    return Generation(eng, prompt, n, GREEDY, drafter=drv), drv
 
 
 def _prompt(n: int, seed: int = 1) -> list[int]:
@@ -166,7 +124,7 @@ def reference_seed_logits(eng: Engine, tokens: list[int]) -> np.ndarray:
     for its nextn rows h, then a fresh MTP context decodes (tokens[k], h[k-1]) for every k."""
     model = eng.target
     t = Context(model, ContextConfig(eng.ctx.n_ctx, 512, 1, 1, eng.cfg.kv_type))
-    m = mtp.MtpContext(eng)
+    m = mtp.MtpContext(model, eng.ctx, eng.cfg.threads, eng.cfg.kv_type)
     try:
         llama_ext.fn("set_embeddings_nextn")(t.ptr, True, False)
         n = len(tokens) - 1
@@ -265,8 +223,7 @@ def test_sampled_run_uses_agreeing_drafts(agree):
     model's target is all but certain, so its drafts are still all used."""
     prompt = _prompt(8, seed=5)
     drv = _Driver(mtp.build(agree, n_max=2))
-    cls = Generation if INTEGRATED else _Emulated
-    gen = _run_checked(agree, cls(agree, prompt, 30, SamplingConfig(temp=0.7, seed=3), drafter=drv), drv)
+    gen = _run_checked(agree, Generation(agree, prompt, 30, SamplingConfig(temp=0.7, seed=3), drafter=drv), drv)
     want = [agree_next(prompt[-1])]
     while len(want) < 30:
         want.append(agree_next(want[-1]))
@@ -274,7 +231,6 @@ def test_sampled_run_uses_agreeing_drafts(agree):
     assert gen.stats.n_drafted > 0 and gen.stats.n_accept == gen.stats.n_drafted
 
 
-@pytest.mark.skipif(not INTEGRATED, reason="the sequential loop does not report target rows yet (observe_rows)")
 def test_spec_mtp_through_the_registry(agree):
     """`--spec mtp` on a model with nextn layers: the same drafter, built by the method registry."""
     prompt = _prompt(10, seed=6)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import GREEDY
+from edgespec import methods
 from edgespec.frontends.session import ChatSession
 from edgespec.kv import common_prefix
 
@@ -126,18 +127,21 @@ def test_heads_turns_equal_plain(smol, plain_turns, heads_files, kind):
 
     from edgespec.costmodel import flat
 
-    saved = smol.cost, smol.cfg, smol._heads, smol._kinds
+    saved = smol.cost, smol.cfg, smol.side.pop("heads", None), smol._kinds
     smol.cost = flat(0.05, saved[0].max_exact_rows)
     smol.cfg = replace(saved[1], heads=str(heads_files[kind]), draft_n_min=4)
-    smol._heads, smol._kinds = None, None
+    smol._kinds = None
     try:
         got = _same_text(smol, kind, plain_turns)
         assert sum(r.stats.n_drafted for r, _ in got) > 0
         if kind == "eagle":
-            head = smol.load_heads("eagle")
+            head = methods.heads_runtime(smol, "eagle")
             assert head.committed is not None and head.n > len(got[-1][1]) // 2
     finally:
-        smol.cost, smol.cfg, smol._heads, smol._kinds = saved
+        smol.cost, smol.cfg, smol._kinds = saved[0], saved[1], saved[3]
+        smol.side.pop("heads", None)
+        if saved[2] is not None:
+            smol.side["heads"] = saved[2]
 
 
 def test_stop_and_regenerate_reuse_what_holds(smol):

@@ -158,11 +158,10 @@ def test_train_eagle3_writes_llamacpps_file_whose_graph_is_the_trained_one(tmp_p
         got1 = rt.logits(0)[vocab]
         for w, g in zip(want, (got0, got1)):  # f16 weights in the GGUF, f32 in training
             assert np.abs(w - g).max() < 2e-3 * np.abs(w).max() + 1e-2 and np.corrcoef(w, g)[0, 1] > 0.9999
-        e3.release(eng)
+        eng.side.release("eagle3")
         prompt = eng.prompt_tokens("Count from 1 to 20, separated by commas.")
         plain = eng.start(prompt, 32, GREEDY, "none").run().tokens
         gen = eng.start(prompt, 32, GREEDY, "eagle3")
         assert gen.run().tokens == plain and gen.stats.n_drafted > 0
     finally:
-        e3.release(eng)
         eng.close()

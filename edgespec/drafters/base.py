@@ -33,15 +33,32 @@ class Budget:
         return max(n, min(self.n_min, len(path_probs), self.max_nodes))
 
 
+# What a drafter reads from the target, declared once per drafter (`Drafter.reads`); the scheduler
+# provides it through `observe` and leaves the target's context as it found it.
+NOTHING = "nothing"  # tokens only: n-grams, the trie, a draft model
+LAST_ROW = "last row"  # post-norm features: the prompt's last row, then each step's root and accepted rows (Medusa)
+ALL_ROWS = "all rows"  # the same with every prompt row (an EAGLE head, a trained MTP module)
+LAYER_TAPS = "layer taps"  # the inputs of the target layers `taps` instead, every prompt row (EAGLE-3)
+NEXTN_ROWS = "nextn rows"  # the batch rows of every target decode, prompt chunks included, read by the
+# drafter itself right after the decode (llama.cpp's nextn states: native MTP)
+FEATURES = (LAST_ROW, ALL_ROWS, LAYER_TAPS)  # the scheduler hands over the target's features (`hidden`)
+
+
 class Drafter(Protocol):
     name: str
-    # Heads read the target's hidden states (post-norm features): `observe` gets them for the
-    # prompt (every row when `needs_prompt_hidden`, else the last) and after each step for the
-    # root row and the accepted nodes.
-    needs_target_hidden: bool
+    reads: str  # one of NOTHING, LAST_ROW, ALL_ROWS, LAYER_TAPS, NEXTN_ROWS
+    taps: tuple[int, ...] | None  # LAYER_TAPS: the target layers whose inputs it reads
 
     def begin(self, prompt: list[int]) -> None:
         """A new generation starts after `prompt`."""
+
+    def observe(self, pos: int, rows: list[int], hidden: np.ndarray | None) -> None:
+        """What the drafter `reads` of committed positions pos, pos+1, ... (called only when it
+        reads something): `rows` are their batch rows in the target decode that just ran (a
+        prompt chunk, or a verification's root and accepted nodes; read from the context now,
+        before anything else decodes), empty for the prompt's features handed over at once;
+        `hidden` their features (row i predicts the token after position pos+i) for FEATURES
+        readers, else None."""
 
     def propose(self, context: list[int], budget: Budget) -> Draft:
         """Tokens that may follow `context` (all committed tokens). Empty: a plain step."""
@@ -51,15 +68,6 @@ class Drafter(Protocol):
 
     def end(self) -> None:
         """The generation is over (finished, stopped or failed)."""
-
-
-class HiddenDrafter(Drafter, Protocol):
-    needs_prompt_hidden: bool
-    hidden_taps: tuple[int, ...] | None  # EAGLE-3: the target layers whose inputs `observe` gets
-
-    def observe(self, hidden: np.ndarray, pos: int) -> None:
-        """The target's features of committed positions `pos .. pos+len(hidden)-1` (row i is
-        the state at position pos+i, the one that predicts the token after it)."""
 
 
 class Calibration:
@@ -120,7 +128,8 @@ class NullDrafter:
     """Plain decoding through the same loop: every step verifies one token."""
 
     name = "none"
-    needs_target_hidden = False
+    reads = NOTHING
+    taps = None
 
     def begin(self, prompt: list[int]) -> None:
         pass

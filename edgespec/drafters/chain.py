@@ -27,8 +27,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from ..costmodel import CostModel, load_extra, store_extra
 from ..draft import Draft
-from .base import Budget, Drafter
+from .base import FEATURES, NEXTN_ROWS, NOTHING, Budget, Drafter
 
 
 class MemberGate:
@@ -96,21 +97,34 @@ class ChainGates:
         return out
 
 
+class KeptGates:
+    """The gates as the engine's side context "auto": read from beside the target's cost curve
+    when first needed, written back there when the engine closes."""
+
+    bound = False
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self.value = ChainGates.restore(load_extra(cost, "chain"))
+
+    def close(self) -> None:
+        store_extra(self.cost, "chain", self.value.state())
+
+
 class ChainDrafter:
     """Several drafters in order: the first that drafts wins the step. Members after the first
     are switched off by measurement where they do not pay (`ChainGates`).
 
-    A member that reads the target's rows (MTP's nextn states, `observe_rows`) gets them after
-    every step, whoever drafted it: its own cache follows every committed token. Members that
-    need the target's post-norm features (trained heads) are not chained."""
+    A member that reads the target's rows (MTP's nextn states) gets them after every step,
+    whoever drafted it: its own cache follows every committed token. Members that need the
+    target's features (trained heads, EAGLE-3) are not chained."""
 
-    needs_target_hidden = False
-    needs_prompt_hidden = False
+    taps = None
 
     def __init__(self, drafters: list[Drafter], gates: ChainGates | None = None, keys: list[str] | None = None):
         """`keys`: each member's name in the gates (default its name; `auto` adds the draft
         model's file, so that another -md is judged afresh)."""
-        if any(getattr(d, "needs_target_hidden", False) for d in drafters):
+        if any(d.reads in FEATURES for d in drafters):
             raise ValueError("internal: a drafter that reads the target's features cannot be chained")
         self.drafters = drafters
         self.name = "+".join(d.name for d in drafters)
@@ -120,13 +134,12 @@ class ChainDrafter:
         self._t0 = 0.0
         self._asked: list[tuple[int, float]] = []  # later members asked this step, with their time
         self._base_pred = 0.0
-        readers = [d.observe_rows for d in drafters if hasattr(d, "observe_rows")]
-        if readers:
-            def observe_rows(pos: int, rows: list[int]) -> None:
-                for read in readers:
-                    read(pos, rows)
+        self._readers = [d for d in drafters if d.reads == NEXTN_ROWS]
+        self.reads = NEXTN_ROWS if self._readers else NOTHING
 
-            self.observe_rows = observe_rows
+    def observe(self, pos: int, rows: list[int], hidden=None) -> None:
+        for d in self._readers:
+            d.observe(pos, rows, hidden)
 
     def begin(self, prompt: list[int]) -> None:
         for d in self.drafters:

@@ -17,7 +17,7 @@ from ..gguf_check import compare_vocab
 from ..kv import KVSeq
 from ..llama import Model
 from ..sampling import sample, warp
-from .base import Budget, Calibration, TokenTimed, top_prob
+from .base import NOTHING, Budget, Calibration, TokenTimed, top_prob
 
 
 def check_vocab(target: Model, draft: Model) -> None:
@@ -38,7 +38,8 @@ def check_vocab(target: Model, draft: Model) -> None:
 
 class DraftModelDrafter(TokenTimed):
     name = "draft"
-    needs_target_hidden = False
+    reads = NOTHING
+    taps = None
 
     def __init__(self, model: Model, kv: KVSeq, n_max: int = 16, n_min: int = 0, p_min: float = 0.0,
                  seed: int | None = None, t_token: float = 0.0, is_stop=None):

@@ -5,7 +5,7 @@ loaded as a model of its own, with a context that borrows the target's token emb
 head through `ctx_other` (llama.cpp keeps it only when the file lacks them). It is driven the way
 `common/speculative.cpp` drives `draft-eagle3`:
 
-* The target records the inputs of three of its layers (`hidden_taps`, the file's
+* The target records the inputs of three of its layers (`taps`, the file's
   `target_layers`) for every decoded row; the scheduler hands them to `observe`.
 * `observe` runs the draft's ENCODER over those rows: g[P] = fc(taps at position P).
 * The draft's decoder reads (token, g) pairs, the pair at draft position P being
@@ -39,9 +39,9 @@ from .. import llama_ext
 from ..draft import Draft
 from ..errors import EdgespecError, VocabMismatchError
 from ..heads.format import HeadsError
-from ..kv import common_prefix
+from ..kv import SideKV, common_prefix
 from ..llama import DEFAULT_KV, Context, ContextConfig, Model, last_log_error
-from .base import Budget, Calibration, TokenTimed
+from .base import LAYER_TAPS, Budget, Calibration, TokenTimed
 from .heads import _top, select
 
 # GGUF architectures whose llama.cpp graph records layer inputs (`res->t_layer_inp[il]`, grep
@@ -60,7 +60,11 @@ _ALL_OUTPUT_FLOATS = 1 << 20  # logits a catch-up may copy out rather than decod
 
 class Eagle3Runtime:
     """The draft model, its context (partnered with one target context) and a reusable
-    llama_batch_ext: made once per engine target context, shared by its generations."""
+    llama_batch_ext: made once per engine target context, shared by its generations. A side
+    context bound to the target's context (`edgespec.side`): its draft context reads the target's
+    through ctx_other, so it is closed before that context is swapped or freed."""
+
+    bound = True
 
     def __init__(self, target: Model, target_ctx: Context, path: str | Path, n_gpu_layers: int = 0,
                  threads: int = 0, kv_type: str = DEFAULT_KV, n_seq_max: int = 9):
@@ -84,6 +88,7 @@ class Eagle3Runtime:
             model.close()
             raise
         self.model = model
+        self.kv = SideKV(self.ctx)
         self.H = model.n_embd
         self.n_enc = 3 * target.n_embd
         self.n_seq_max = n_seq_max
@@ -180,7 +185,7 @@ class Eagle3Runtime:
             n = min(step, len(feats) - s)
             # The encoder is per token and ignores positions, but the batch check still wants
             # them to continue sequence 0's cache (Y = X + 1): placeholders, as speculative.cpp.
-            p0 = self.ctx.mem_seq_pos_max(0) + 1
+            p0 = self.kv.end(0)
             for j in range(n):
                 self._add(0, p0 + j, None, base + (s + j) * row_bytes, self.n_enc, True)
             if not self._process(_ENCODE):
@@ -245,13 +250,13 @@ class Eagle3Runtime:
         return self._ids
 
     def reset(self) -> None:
-        self.ctx.mem_clear()
+        self.kv.clear()
 
     def drop_after(self, n: int) -> None:
         """Keep the committed pairs 0..n-1 of sequence 0; forget every draft row and branch."""
         for s in range(1, self.n_seq_max):
-            self.ctx.mem_seq_rm(s, -1, -1)
-        self.ctx.mem_seq_rm(0, n, -1)
+            self.kv.drop(s)
+        self.kv.keep(n)
 
     def close(self) -> None:
         if getattr(self, "batch", None):
@@ -283,8 +288,7 @@ class Eagle3Drafter(TokenTimed):
     """Proposes a chain (or an EAGLE-2 tree) with llama.cpp's eagle3 graph; see the module doc."""
 
     name = "eagle3"
-    needs_target_hidden = True
-    needs_prompt_hidden = True
+    reads = LAYER_TAPS
 
     def __init__(self, rt: Eagle3Runtime, n_max: int = 16, n_min: int = 0, p_min: float = 0.0,
                  tree: bool = False, top_k: int = 4, beam: int = 4, p_stop: float = 0.02, is_stop=None):
@@ -292,7 +296,7 @@ class Eagle3Drafter(TokenTimed):
         out (where the target ends there, the row before yields it as the step's own token)."""
         self.rt = rt
         self.is_stop = is_stop
-        self.hidden_taps = rt.taps
+        self.taps = rt.taps
         self.n_max, self.n_min, self.p_min = n_max, n_min, p_min
         self.tree = tree and rt.n_seq_max >= 1 + 2 * beam
         self.top_k, self.beam, self.p_stop = top_k, beam, p_stop
@@ -321,7 +325,7 @@ class Eagle3Drafter(TokenTimed):
     def _n_g(self) -> int:
         return self._n_dec + sum(len(g) for g in self._g)
 
-    def observe(self, hidden: np.ndarray, pos: int) -> None:
+    def observe(self, pos: int, rows: list[int], hidden: np.ndarray | None) -> None:
         g = self.rt.encode(hidden)
         have = self._n_g()
         if pos > have:
@@ -445,7 +449,7 @@ class Eagle3Drafter(TokenTimed):
             seqs = free[: len(frontier)]
             for s, i in zip(seqs, frontier):
                 parent = nodes[i][1]
-                rt.ctx.mem_seq_cp(0 if parent < 0 else seq_of[parent], s, -1, -1)
+                rt.kv.fork(0 if parent < 0 else seq_of[parent], s)
                 seq_of[i] = s
                 rows.append((s, pos + depth - 1, nodes[i][2], g_of[i].ctypes.data))
             t0 = time.perf_counter()
@@ -453,7 +457,7 @@ class Eagle3Drafter(TokenTimed):
             if ok:
                 self._time_token(time.perf_counter() - t0)
             for s in cur:  # the previous depth's sequences are no longer needed
-                rt.ctx.mem_seq_rm(s, -1, -1)
+                rt.kv.drop(s)
             cur = seqs
             free = [s for s in range(1, 1 + 2 * self.beam) if s not in cur]
             if not ok:
@@ -481,31 +485,19 @@ class Eagle3Drafter(TokenTimed):
 
 def build(engine, heads_path: str | Path, tree: bool | None = None) -> Eagle3Drafter:
     """A drafter for one generation on `engine`'s target context. The draft model and context
-    are made once per target context (cached as `engine._eagle3`) and made again when the engine
-    swapped its context (batch streams): the draft context points at the target's."""
+    are made once per target context (kept among the engine's side contexts as
+    `engine.side["eagle3"]`) and made again when the engine swapped its context (batch streams):
+    the draft context points at the target's."""
     c = engine.cfg
-    rt: Eagle3Runtime | None = getattr(engine, "_eagle3", None)
     path = Path(heads_path)
-    if rt is None or rt.target_ctx is not engine.ctx or rt.path != path or not rt.ctx.ptr or not engine.ctx.ptr:
-        if rt is not None:
-            rt.close()
-            engine._eagle3 = None
-        beam = 4
-        # f16 cache whatever the target's: the draft's one layer costs little memory, and its
-        # exactness does not matter (q8_0 there flips the draft's near-ties a little more often)
-        rt = Eagle3Runtime(engine.target, engine.ctx, path, c.n_gpu_layers, c.threads_draft or c.threads, "f16",
-                           n_seq_max=1 + 2 * beam)
-        engine._eagle3 = rt
+    beam = 4
+    # f16 cache whatever the target's: the draft's one layer costs little memory, and its
+    # exactness does not matter (q8_0 there flips the draft's near-ties a little more often)
+    rt = engine.side.keep(
+        "eagle3", lambda: Eagle3Runtime(engine.target, engine.ctx, path, c.n_gpu_layers, c.threads_draft or c.threads,
+                                        "f16", n_seq_max=1 + 2 * beam),
+        fits=lambda rt: rt.target_ctx is engine.ctx and rt.path == path and bool(rt.ctx.ptr) and bool(engine.ctx.ptr))
     if tree is None:
         tree = c.max_branches > 1
     return Eagle3Drafter(rt, n_max=max(1, c.draft_n_max), n_min=c.draft_n_min, p_min=c.draft_p_min, tree=tree,
                          is_stop=engine.target.is_eog)
-
-
-def release(engine) -> None:
-    """Free the engine's EAGLE-3 draft context and model (before the engine closes its target:
-    the draft context reads the target's through ctx_other)."""
-    rt = getattr(engine, "_eagle3", None)
-    if rt is not None:
-        rt.close()
-        engine._eagle3 = None

@@ -23,7 +23,7 @@ import numpy as np
 from ..draft import Draft
 from ..heads.runtime import EagleHead, MedusaHeads
 from ..kv import common_prefix
-from .base import Budget, Calibration
+from .base import ALL_ROWS, LAST_ROW, Budget, Calibration
 
 
 def _top(p: np.ndarray, k: int) -> np.ndarray:
@@ -81,8 +81,8 @@ def select(nodes: list[tuple[float, int, int, float]], budget: Budget, name: str
 
 
 class _HeadsDrafter:
-    needs_target_hidden = True
-    needs_prompt_hidden = False
+    reads = LAST_ROW
+    taps = None
 
     def __init__(self, top_k: int, is_stop=None):
         self.top_k = top_k
@@ -113,7 +113,7 @@ class MedusaDrafter(_HeadsDrafter):
         self.max_nodes = max_nodes
         self._last: np.ndarray | None = None
 
-    def observe(self, hidden: np.ndarray, pos: int) -> None:
+    def observe(self, pos: int, rows: list[int], hidden: np.ndarray | None) -> None:
         self._last = hidden[-1]
 
     def propose(self, context: list[int], budget: Budget) -> Draft:
@@ -155,7 +155,7 @@ def _best_first(choices: list[list[tuple[int, float]]], limit: int, is_stop=None
 
 class EagleDrafter(_HeadsDrafter):
     name = "eagle"
-    needs_prompt_hidden = True
+    reads = ALL_ROWS
 
     def __init__(self, head: EagleHead, top_k: int = 4, beam: int = 4, depth: int = 6, p_stop: float = 0.02,
                  name: str = "eagle", is_stop=None):
@@ -177,7 +177,7 @@ class EagleDrafter(_HeadsDrafter):
         head.committed = prompt
         self._feats, self._pos0 = [], 0
 
-    def observe(self, hidden: np.ndarray, pos: int) -> None:
+    def observe(self, pos: int, rows: list[int], hidden: np.ndarray | None) -> None:
         if not self._feats:
             self._pos0 = pos
         self._feats.append(hidden)

@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..draft import Draft
 from ..trie import OUTPUT, PROMPT, Cursor, TokenTrie
-from .base import Budget, Calibration
+from .base import NOTHING, Budget, Calibration
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,8 @@ WINDOW = 24
 
 class LookaheadDrafter:
     name = "lookahead"
-    needs_target_hidden = False
+    reads = NOTHING
+    taps = None
 
     def __init__(
         self,
@@ -59,7 +60,6 @@ class LookaheadDrafter:
         self._s = 1
         self._closing: list[int] = []  # nodes of the last draft that close a prompt's message
         self._ends: tuple[int, ...] = ()
-        self.last_branches = 0
 
     def begin(self, prompt: list[int]) -> None:
         self._cursor = Cursor()

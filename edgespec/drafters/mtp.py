@@ -11,7 +11,7 @@ only the nextn layers, the target's only the trunk. This drafter drives it the w
   `llama_set_embeddings_nextn`; what h is depends on the architecture: the pre-norm trunk output
   for mimo2, post-norm for qwen35; llama.cpp's graph decides, not us). These are NOT the post-norm
   embeddings `Context.hidden` gives, so the drafter reads them itself, from the rows the
-  scheduler names right after each target decode (`observe_rows`), before anything else decodes.
+  scheduler names right after each target decode (`observe`), before anything else decodes.
 * The MTP row at position k is (token x_k, h_{k-1}) and predicts x_{k+1}. The row of the last
   committed token waits for the h of the row before it, which arrives with the next verification
   (the "deferred pending h"); `propose` decodes every row still missing in ONE llama_process
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,12 +40,10 @@ import llama_cpp as lc
 from .. import llama_ext
 from ..draft import Draft
 from ..errors import EdgespecError
-from ..llama import Context, ContextConfig, last_log_error
+from ..kv import SideKV
+from ..llama import Context, ContextConfig, Model, last_log_error
 from ..sampling import warp
-from .base import Budget, Calibration, TokenTimed, top_prob
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine
+from .base import NEXTN_ROWS, Budget, Calibration, TokenTimed, top_prob
 
 # GGUF architectures whose llama.cpp 0.3.36 graph has an MTP branch (LLM_GRAPH_TYPE_DECODER_MTP,
 # grep `graph_mtp` in src/models/). Others may carry nextn tensors (glm4, exaone4, ...) but only
@@ -63,10 +60,12 @@ _F = ctypes.POINTER(ctypes.c_float)
 class MtpContext:
     """The MTP context of one target context: same llama_model, its own KV cache (the nextn
     layers only) and a reusable llama_batch_ext (rows carry a token AND an h row, which the
-    plain llama_batch cannot)."""
+    plain llama_batch cannot). A side context bound to the target's context (`edgespec.side`):
+    the two share positions, so it is made again when the engine swaps that context."""
 
-    def __init__(self, engine: "Engine"):
-        model = engine.target
+    bound = True
+
+    def __init__(self, model: Model, target_ctx: Context, threads: int, kv_type: str):
         name = model.path.name
         if model.n_layer_nextn <= 0:
             raise EdgespecError(f"{name} has no MTP (nextn) layers; --spec mtp needs a GGUF converted with its "
@@ -77,25 +76,24 @@ class MtpContext:
                                 f"{model.arch}; --spec mtp runs on {', '.join(sorted(MTP_ARCHS))}")
         if not model.load_mtp:
             raise EdgespecError(f"internal: {name} was loaded without its MTP layers (load_mtp)")
-        cfg = engine.cfg
-        self.target_ctx: Context = engine.ctx
-        self.ctx = Context(model, ContextConfig(engine.ctx.n_ctx, engine.ctx.n_batch,
-                                                cfg.threads_draft or cfg.threads, 1, cfg.kv_type,
+        self.target_ctx: Context = target_ctx
+        self.ctx = Context(model, ContextConfig(target_ctx.n_ctx, target_ctx.n_batch, threads, 1, kv_type,
                                                 ctx_type=lc.LLAMA_CONTEXT_TYPE_MTP))
         self.n_embd = int(lc.llama_model_n_embd_out(model.ptr))  # MTP rows are n_embd_out wide
         llama_ext.fn("set_embeddings_nextn")(self.ctx.ptr, True, True)  # h_nextn of output rows
         self.batch = lc.llama_batch_ext_init(self.ctx.ptr)
         if not self.batch:
             raise EdgespecError(f"cannot create a batch for the MTP context of {name}")
+        self.kv = SideKV(self.ctx)
         self.tokens: list[int] = []  # what the MTP KV cache holds: position i is tokens[i]
 
     def reset(self) -> None:
-        self.ctx.mem_clear()
+        self.kv.clear()
         self.tokens = []
 
     def truncate(self, n: int) -> None:
         if n < len(self.tokens):
-            self.ctx.mem_seq_rm(0, n, -1)
+            self.kv.keep(n)
             del self.tokens[n:]
 
     def decode(self, rows: list[tuple[int, int, np.ndarray]], out_last: bool) -> None:
@@ -134,11 +132,10 @@ class MtpDrafter(TokenTimed):
     """Drafts with the target's nextn layers (see the module docstring)."""
 
     name = "mtp"
-    # The MTP reads the target's nextn rows itself (`observe_rows`), not the post-norm features
-    # the scheduler's `observe` would copy for heads.
-    needs_target_hidden = False
-    needs_prompt_hidden = True
-    reads_target_rows = True
+    # The MTP reads the target's nextn rows itself (`observe`'s batch rows), not the post-norm
+    # features the scheduler copies for heads.
+    reads = NEXTN_ROWS
+    taps = None
 
     def __init__(self, mtp: MtpContext, n_max: int = 1, p_min: float = 0.0, is_stop=None):
         """`n_max`: draft tokens per step at most (1: the MTP's trained depth; more chain its
@@ -170,7 +167,7 @@ class MtpDrafter(TokenTimed):
         self.m.reset()
         self._h = {}
 
-    def observe_rows(self, pos: int, rows: list[int]) -> None:
+    def observe(self, pos: int, rows: list[int], hidden: np.ndarray | None = None) -> None:
         """The target just decoded batch rows `rows`, holding committed positions pos, pos+1, ...
         (a prompt chunk, or the root and accepted nodes of a verification). Copies their h; a
         prompt chunk whose tokens are known (after `begin`) is decoded into the MTP cache at once,
@@ -190,11 +187,6 @@ class MtpDrafter(TokenTimed):
         end = pos + len(rows)
         if self._prompt is not None and end <= len(self._prompt):
             self._sync(self._prompt[:end], out_last=False)
-
-    def observe(self, hidden: np.ndarray, pos: int, rows: list[int]) -> None:
-        """The heads' hook, for a scheduler that reports rows with the post-norm features (which
-        the MTP does not use)."""
-        self.observe_rows(pos, rows)
 
     def _sync(self, tokens: list[int], out_last: bool) -> int:
         """Make the MTP cache hold exactly `tokens`, row k being (tokens[k], h_{k-1}); with
@@ -273,7 +265,7 @@ class MtpDrafter(TokenTimed):
                 self._time_token(time.perf_counter() - t1)
                 row, chained = 0, True
         if chained:
-            m.ctx.mem_seq_rm(0, len(context), -1)  # chained rows carry the MTP's own h: never history
+            m.kv.keep(len(context))  # chained rows carry the MTP's own h: never history
         self.t_draft += time.perf_counter() - t0
         self.n_draft += 1
         if not tokens or len(tokens) < min(budget.n_min, limit):
@@ -288,26 +280,14 @@ class MtpDrafter(TokenTimed):
         self._h = {}
 
 
-def build(engine: "Engine", n_max: int = 1) -> MtpDrafter:
+def build(engine, n_max: int = 1) -> MtpDrafter:
     """An MTP drafter for one generation on `engine`'s target context. The MTP context is made
-    once per target context and kept on the engine (`engine._mtp`): a new one when the engine
-    swapped its target context (batch streams), since the pair shares positions. One generation
-    at a time: a new drafter clears the MTP cache. `n_max` > 1 (or --spec-draft-n-min) lets a
-    step chain that many tokens; the cost curve decides how many are verified."""
-    m: MtpContext | None = getattr(engine, "_mtp", None)
-    if m is None or m.target_ctx is not engine.ctx or not m.ctx.ptr:
-        if m is not None:
-            m.close()
-        m = MtpContext(engine)
-        engine._mtp = m
+    once per target context and kept among the engine's side contexts (`engine.side["mtp"]`): a
+    new one when the engine swapped its target context (batch streams), since the pair shares
+    positions. One generation at a time: a new drafter clears the MTP cache. `n_max` > 1 (or
+    --spec-draft-n-min) lets a step chain that many tokens; the cost curve decides how many are
+    verified."""
     c = engine.cfg
+    m = engine.side.keep("mtp", lambda: MtpContext(engine.target, engine.ctx, c.threads_draft or c.threads, c.kv_type),
+                         fits=lambda m: m.target_ctx is engine.ctx and bool(m.ctx.ptr))
     return MtpDrafter(m, n_max=max(1, n_max, c.draft_n_min), p_min=c.draft_p_min, is_stop=engine.target.is_eog)
-
-
-def release(engine: "Engine") -> None:
-    """Free the engine's MTP context, if any. Call before the target model is freed: a
-    context must not outlive its llama_model (Engine.close)."""
-    m: MtpContext | None = getattr(engine, "_mtp", None)
-    if m is not None:
-        m.close()
-        engine._mtp = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..draft import Draft
-from .base import Budget, Calibration
+from .base import NOTHING, Budget, Calibration
 
 
 class NgramIndex:
@@ -50,7 +50,8 @@ class NgramIndex:
 
 class NgramDrafter:
     name = "ngram"
-    needs_target_hidden = False
+    reads = NOTHING
+    taps = None
 
     def __init__(self, n_min: int = 1, n_max: int = 3, max_len: int = 16, is_stop=None):
         """`is_stop(token)`: the token ends a generation; a draft ends before it (see lookahead)."""

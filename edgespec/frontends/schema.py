@@ -23,7 +23,7 @@ CHAT_URL, TEXT_URL = "/v1/chat/completions", "/v1/completions"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 16
 MAX_N = 16  # choices per request (each its own sequence)
-# Fields clients send that change nothing here: accepted and ignored (README, serve section).
+# Fields clients send that change nothing here: accepted and ignored (docs/openai-compat.md).
 IGNORED = ("store", "metadata", "service_tier", "reasoning_effort", "user")
 # Tools: bounded (a tool's schema becomes a grammar, all of them a part of the prompt).
 MAX_TOOLS = 64

@@ -158,3 +158,69 @@ def list_heads() -> list[dict]:
                          "source": d.get("edgespec.heads.source", ""), "size": f.stat().st_size,
                          "shipped": f.parent == shipped_dir()})
     return rows
+
+
+# -- for an engine's target: which heads it has, which file a method reads, the loaded runtime --
+
+
+def heads_kinds(spec: str | None, model) -> set[str]:
+    """The kinds of heads `model` has: the --heads file's (`spec`), else those found in the heads
+    cache and shipped with edgespec; "mtp" too when the model has nextn layers."""
+    if spec:
+        p = Path(spec)
+        d = describe(p) if p.is_file() else None
+        if d:
+            kinds = {d["kind"]}
+        else:
+            kinds = {checkpoint_kind(p)} if p.is_dir() else set()
+    else:
+        kinds = kinds_for(model)
+    if model.n_layer_nextn > 0:
+        kinds.add("mtp")
+    return kinds
+
+
+def heads_path(spec: str | None, kind: str, model) -> Path:
+    """The heads file for method `kind`: --heads (`spec`; a checkpoint folder is converted into the
+    cache once), else the one cached or shipped for `model`; one clear line otherwise."""
+    if spec:
+        p = resolve_heads(spec, kind, model)
+        d = describe(p)
+        if d is None:
+            raise HeadsError(f"{p} is not a heads file (made by `edgespec convert` or `edgespec train`)")
+        if d["kind"] != kind:
+            raise HeadsError(f"{p} holds {d['kind']} heads, not {kind}: use --spec {d['kind']}")
+        return p
+    p = find_heads(kind, model)
+    if p is None:
+        raise HeadsError(f"--spec {kind} needs heads for {model.path.name}: none cached or shipped; pass "
+                         f"--heads FILE, or make them with `edgespec train {kind} -m MODEL`"
+                         + (" or `edgespec convert`" if kind != "mtp" else ""))
+    return p
+
+
+class HeadsRuntime:
+    """The numpy runtime of one heads file (Medusa heads, or an EAGLE head / trained MTP module
+    with its own KV cache over the committed text), checked against the target: a side context of
+    the engine (`edgespec.side`), kept across generations, not bound to the target's context."""
+
+    bound = False
+
+    def __init__(self, path: Path, kind: str, model, n_ctx: int):
+        from threadpoolctl import threadpool_limits
+
+        from .format import check_target, read_heads
+        from .runtime import EagleHead, MedusaHeads
+        from .target import TargetWeights
+
+        # numpy's BLAS threads spin after each call and would take the cores llama.cpp's
+        # threads need in the next decode; the heads' few rows gain nothing from them.
+        threadpool_limits(1, user_api="blas")
+        hf = read_heads(path)
+        check_target(hf, model)
+        tw = TargetWeights(model.path, model.n_vocab, hf.get("heads.n_embd"))
+        self.path = path
+        self.runtime = MedusaHeads(hf, tw) if kind == "medusa" else EagleHead(hf, tw, n_ctx)
+
+    def close(self) -> None:
+        pass

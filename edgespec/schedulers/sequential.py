@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..draft import Draft
-from ..drafters.base import Budget, Drafter, NullDrafter
+from ..drafters.base import ALL_ROWS, FEATURES, LAYER_TAPS, NEXTN_ROWS, NOTHING, Budget, Drafter, NullDrafter
 from ..events import StepEvent
 from ..lifecycle import Lifecycle
 from ..verify import verify_step
@@ -30,15 +30,19 @@ class Generation(Lifecycle):
     def __iter__(self) -> Iterator[StepEvent]:
         eng, st, cfg = self.engine, self.stats, self.sampling
         ctx, kv = eng.ctx, eng.kv
-        heads = getattr(self.drafter, "needs_target_hidden", False)
-        # MTP reads the target's own rows (its nextn states) right after each target decode
-        rows_hook = getattr(self.drafter, "observe_rows", None)
+        # what the drafter reads from the target (declared, see drafters.base): its features
+        # (heads), or the batch rows of every target decode, read right after it (MTP's nextn states)
+        reads, observe = self.drafter.reads, self.drafter.observe if self.drafter.reads != NOTHING else None
+        features = reads in FEATURES
+        outputs = ctx.embeddings, ctx.taps  # restored at the end when the prologue changes them
         self.drafter.begin(self.prompt)  # before the prompt: a drafter may follow it chunk by chunk
         try:
-            first, rng = self._prologue(kv, ("all" if self.drafter.needs_prompt_hidden else "last") if heads else "",
-                                        getattr(self.drafter, "hidden_taps", None), on_rows=rows_hook)
-            if heads:
-                self.drafter.observe(self.prompt_hidden, len(self.prompt) - len(self.prompt_hidden))
+            first, rng = self._prologue(
+                kv, ("all" if reads in (ALL_ROWS, LAYER_TAPS) else "last") if features else "",
+                self.drafter.taps if reads == LAYER_TAPS else None,
+                on_rows=(lambda pos, rows: observe(pos, rows, None)) if reads == NEXTN_ROWS else None)
+            if features:
+                observe(len(self.prompt) - len(self.prompt_hidden), [], self.prompt_hidden)
                 self.prompt_hidden = None
             self.t_start = time.perf_counter()
             pending = [first]  # committed, not yet in the cache
@@ -78,11 +82,9 @@ class Generation(Lifecycle):
                 layout = kv.decode_tree(pending, draft)
                 cost.observe(len(pending) + len(draft), n_before, time.perf_counter() - t2)
                 accepted, nxt = verify_step(draft, lambda n: ctx.logits(layout.row(n)), cfg, rng, self.shaper)
-                if rows_hook is not None:  # batch rows of the root and the accepted path
-                    rows_hook(len(self.context) - 1, [layout.row(-1)] + [layout.row(a) for a in accepted])
-                if heads:  # features of the root (the last pending token) and the accepted path
-                    self.drafter.observe(ctx.hidden([layout.row(-1)] + [layout.row(a) for a in accepted]),
-                                         len(self.context) - 1)
+                if observe is not None:  # the root (the last pending token) and the accepted path
+                    rows = [layout.row(-1)] + [layout.row(a) for a in accepted]
+                    observe(len(self.context) - 1, rows, ctx.hidden(rows) if features else None)
                 # accepted nodes off the first branch are re-laid by the next decode (see commit_tree)
                 relay = kv.commit_tree(layout, pending, draft, accepted)
                 pending = relay + [nxt]
@@ -99,3 +101,6 @@ class Generation(Lifecycle):
             st.t_gen = time.perf_counter() - self.t_start if self.t_start else 0.0
             self.drafter.end()
             self._end_cache(kv)
+            if features and ctx.ptr:  # the context's outputs as the prologue found them
+                ctx.set_embeddings(outputs[0])
+                ctx.set_hidden_taps(outputs[1])
