@@ -67,8 +67,8 @@ def test_report_fields(tmp_path, suite_file, capsys):
 def test_mismatch_is_flagged(suite_file, monkeypatch, capsys):
     real = bench_run.run_method
 
-    def broken(eng, tokens, n, method):
-        g = real(eng, tokens, n, method)
+    def broken(eng, tokens, n, method, **kw):
+        g = real(eng, tokens, n, method, **kw)
         if method == "ngram":  # a deliberately broken method: one token changed
             g.tokens[len(g.tokens) // 2] += 1
         return g

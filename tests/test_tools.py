@@ -20,7 +20,7 @@ from edgespec.frontends.server.app import Server
 from edgespec.frontends.server.command import bind
 from edgespec.frontends.server.worker import Worker
 from edgespec.rows import Grammar
-from edgespec.sampling import SamplingConfig, make_sampling
+from edgespec.sampling import SamplingConfig
 from edgespec.tools import CallHold, call_grammar, for_template, generic_prompt, parse_calls, template_takes_tools
 
 MODEL = "smollm2-135m-instruct:q4_0"

@@ -86,8 +86,6 @@ def run_curve(cost, ratios: list[tuple[float, ...]]):
 
 
 def run_bench(a, engine_cfg) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from ...engine import Engine
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -100,6 +98,15 @@ def run_bench(a, engine_cfg) -> int:
     if getattr(a, "parallel", None):
         return run_batch_bench(a, engine_cfg, methods, suite)
     eng = Engine(engine_cfg, quiet=False)
+    try:
+        return _run_sequential(a, engine_cfg, eng, methods, suite)
+    finally:
+        eng.close()  # writes back what the cost curve's correction and auto's gates learned
+
+
+def _run_sequential(a, engine_cfg, eng, methods: list[str], suite: list[dict]) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     prompts = []
     for item in suite:
         if "messages" in item:
@@ -141,7 +148,7 @@ def run_bench(a, engine_cfg) -> int:
                                                      getattr(a, "llama_cpp_kv", None)):
                                 theirs_cells.setdefault(rec["method"], []).append(rec)
                             continue
-                        g = run_method(eng, toks, n, m, reuse)
+                        g = run_method(eng, toks, n, m, reuse=reuse)
                         ratios.append(tuple(eng.cost.ratio))
                         # every round's output must be the same (and equal to none's)
                         stable[m] = stable.get(m, True) and g.tokens == outputs.setdefault(m, g.tokens)
