@@ -94,3 +94,29 @@ def generate(engine, prompt_tokens, n, method="none", sampling=GREEDY, drafter=N
         return engine.generate(prompt_tokens, n, sampling, d).run()
     finally:
         engine.cost = saved
+
+
+def serve_in_thread(s) -> None:
+    """Start `s.worker` and serve `s.server.app` with uvicorn in a daemon thread, on a free
+    loopback port: sets `s.port`, `s.url`, `s.uv`, `s.thread`, `s.sock` (stop: `s.uv.should_exit`)."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from edgespec.frontends.server.command import bind
+
+    sock = bind("127.0.0.1", 0)
+    s.port = sock.getsockname()[1]
+    s.url = f"http://127.0.0.1:{s.port}"
+    s.worker.start()
+    s.uv = uvicorn.Server(uvicorn.Config(s.server.app, log_level="warning", lifespan="off",
+                                         timeout_graceful_shutdown=2))
+    s.uv.install_signal_handlers = lambda: None  # not the main thread
+    s.thread = threading.Thread(target=s.uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    s.thread.start()
+    for _ in range(100):
+        if s.uv.started:
+            break
+        time.sleep(0.05)
+    s.sock = sock

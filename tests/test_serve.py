@@ -15,14 +15,14 @@ import time
 
 import openai
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from conftest import serve_in_thread
 
 from edgespec.engine import Engine, EngineConfig
 from edgespec.frontends.batch.requests import Defaults
 from edgespec.frontends.server.app import Server
-from edgespec.frontends.server.command import bind
 from edgespec.frontends.server.worker import Worker
 from edgespec.sampling import SamplingConfig
 from edgespec.text import TextStream
@@ -93,20 +93,7 @@ class Running:
         self.ref_text = _plain(self.engine, prompt="Once upon a time, in a small village,")
         self.worker = Worker(self.engine, method, n_parallel, max_queue=64)
         self.server = Server(self.engine, self.worker, MODEL, Defaults(N_TOKENS, SamplingConfig()), api_key)
-        sock = bind("127.0.0.1", 0)
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.worker.start()
-        self.uv = uvicorn.Server(uvicorn.Config(self.server.app, log_level="warning", lifespan="off",
-                                                timeout_graceful_shutdown=2))
-        self.uv.install_signal_handlers = lambda: None  # not the main thread
-        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        for _ in range(100):
-            if self.uv.started:
-                break
-            time.sleep(0.05)
-        self.sock = sock
+        serve_in_thread(self)
 
     def client(self, key=KEY, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120, **kw)

@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from conftest import serve_in_thread
+
 from edgespec.engine import Engine, EngineConfig
 from edgespec.frontends.batch.requests import Defaults, Request
 from edgespec.frontends.batch.serve import run_requests
@@ -52,27 +54,7 @@ def _server(n_parallel: int, ram: int, convs: int):
 
 
 def _serve(s) -> None:
-    import threading
-    import time
-
-    import uvicorn
-
-    from edgespec.frontends.server.command import bind
-
-    sock = bind("127.0.0.1", 0)
-    s.port = sock.getsockname()[1]
-    s.url = f"http://127.0.0.1:{s.port}"
-    s.worker.start()
-    s.uv = uvicorn.Server(uvicorn.Config(s.server.app, log_level="warning", lifespan="off",
-                                         timeout_graceful_shutdown=2))
-    s.uv.install_signal_handlers = lambda: None
-    s.thread = threading.Thread(target=s.uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    s.thread.start()
-    for _ in range(100):
-        if s.uv.started:
-            break
-        time.sleep(0.05)
-    s.sock = sock
+    serve_in_thread(s)
 
 
 def _chat(s, messages):
