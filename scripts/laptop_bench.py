@@ -37,7 +37,7 @@ RUNS = {
 
 def suite_items(spec: str) -> list[dict]:
     """FILE, humaneval[:N], mtbench[:N[:CAT,CAT]] (then N of each category)."""
-    from edgespec.frontends.bench.suites import load_suite
+    from edgespec.suites import load_suite
 
     name, limit, cats = (spec.split(":") + ["", ""])[:3]
     if not cats:

@@ -12,10 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import PROMPTS
-from edgespec.frontends.batch import (
-    CHAT_URL, DUPLICATE, TEXT_URL, Defaults, Done, Request, parse_line, pending_requests, read_requests,
-    run_requests, scan_output,
-)
+from edgespec.frontends.batch import DUPLICATE, Done, parse_line, pending_requests, read_requests, scan_output
+from edgespec.serving import CHAT_URL, TEXT_URL, Defaults, Request, run_requests
 from edgespec.frontends.cli import main
 from edgespec.text import TextStream
 from edgespec.sampling import SamplingConfig

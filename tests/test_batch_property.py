@@ -9,9 +9,8 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgespec.frontends.batch import (
-    Defaults, Writer, pending_requests, read_requests, run_requests, scan_output,
-)
+from edgespec.frontends.batch import Writer, pending_requests, read_requests, scan_output
+from edgespec.serving import Defaults, run_requests
 from edgespec.sampling import SamplingConfig
 
 D = Defaults(2, SamplingConfig())

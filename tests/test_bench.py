@@ -6,7 +6,7 @@ import pytest
 
 from edgespec.frontends import bench, cli
 from edgespec.frontends.bench import run as bench_run
-from edgespec.frontends.bench.suites import load_suite, parse_jsonl
+from edgespec.suites import load_suite, parse_jsonl
 from edgespec.errors import EdgespecError
 
 SUITE = [

@@ -171,7 +171,8 @@ def test_batch_one_at_a_time_reuses_a_shared_prefix(smol):
     output equals plain decoding's with reuse; the records say what was cached."""
     import json
 
-    from edgespec.frontends.batch import Defaults, read_requests, run_requests
+    from edgespec.frontends.batch import read_requests
+    from edgespec.serving import Defaults, run_requests
     from edgespec.sampling import SamplingConfig
 
     system = {"role": "system", "content": "You are a careful assistant. Answer in one short paragraph, plainly."}

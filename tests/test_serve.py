@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from conftest import serve_in_thread
 
 from edgespec.engine import Engine, EngineConfig
-from edgespec.frontends.batch.requests import Defaults
+from edgespec.serving import Defaults
 from edgespec.frontends.server.app import Server
 from edgespec.frontends.server.worker import Worker
 from edgespec.sampling import SamplingConfig
@@ -330,7 +330,7 @@ BODY_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2, 3), st.floats(
 def test_batch_and_serve_accept_and_refuse_the_same_bodies(srv, fields, chat):
     """One schema: a body the server answers with a 4xx is an error line in a batch, and one
     the server serves is served by a batch, with the same code."""
-    from edgespec.frontends.batch import Defaults as BD
+    from edgespec.serving import Defaults as BD
     from edgespec.frontends.batch import parse_line
 
     body = {**fields, ("messages" if chat else "prompt"): [{"role": "user", "content": "Hi"}] if chat else "Hi"}

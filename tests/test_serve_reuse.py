@@ -10,8 +10,8 @@ import pytest
 from conftest import serve_in_thread
 
 from edgespec.engine import Engine, EngineConfig
-from edgespec.frontends.batch.requests import Defaults, Request
-from edgespec.frontends.batch.serve import run_requests
+from edgespec.serving.requests import Defaults, Request
+from edgespec.serving.loop import run_requests
 from edgespec.frontends.server.app import Server
 from edgespec.frontends.server.worker import Worker
 from edgespec.promptcache import PromptCache, SlotTable

@@ -13,9 +13,9 @@ import uvicorn
 
 from edgespec import chat
 from edgespec.engine import Engine, EngineConfig
-from edgespec.frontends.batch.requests import Defaults, Request, fill_from_body
-from edgespec.frontends.batch.serve import run_requests
-from edgespec.frontends.schema import CHAT_URL, TEXT_URL, RequestError, parse_body
+from edgespec.serving.requests import Defaults, Request, fill_from_body
+from edgespec.serving.loop import run_requests
+from edgespec.serving.schema import CHAT_URL, TEXT_URL, RequestError, parse_body
 from edgespec.frontends.server.app import Server
 from edgespec.frontends.server.command import bind
 from edgespec.frontends.server.worker import Worker

@@ -16,7 +16,7 @@ from edgespec.tui.app import ChatApp, PromptInput, Turn  # noqa: E402
 
 def test_core_never_imports_textual():
     code = ("import sys, edgespec, edgespec.frontends.cli, edgespec.engine, edgespec.frontends.session, "
-            "edgespec.frontends.bench, edgespec.frontends.batch, edgespec.schedulers.pearl, edgespec.schedulers.multi;"
+            "edgespec.frontends.bench, edgespec.frontends.batch, edgespec.serving, edgespec.schedulers.pearl, edgespec.schedulers.multi;"
             "print('textual' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -140,7 +140,7 @@ def _truncate(folder: Path, rows: int, n_embd: int) -> None:
 def training_prompts(spec: list[str] | None, exclude: set[str] = frozenset()) -> list[dict]:
     """Prompts from suites (`builtin`, `mtbench`, `humaneval`) or JSONL/text files; prompts whose
     text is in `exclude` (the evaluation prompts) are left out."""
-    from ..frontends.bench.suites import load_suite
+    from ..suites import load_suite
 
     out: list[dict] = []
     for s in spec or ["mtbench", "humaneval", "builtin"]:

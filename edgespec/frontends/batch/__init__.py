@@ -6,19 +6,15 @@ served (bad JSON, an unknown field, a prompt too long) gets an output line with 
 and the batch goes on. Started again on the same output file, a batch skips what is already
 there, so an interrupted run (Ctrl+C, kill, power loss) resumes without duplicates.
 
-`requests`: the schema and validation of a line; `output`: records, the locked writer, resume;
-`serve`: requests through the engine, one at a time or several per decode; `command`: the CLI.
+`requests`: a line -> a Request (edgespec.serving checks its body); `output`: the locked writer,
+resume; `command`: the CLI. The requests are served by edgespec.serving's loop, as `serve`'s are.
 """
 
 from .command import run_batch
-from .output import Done, Writer, error_record, failure, ok_record, pending_requests, scan_output
-from .requests import (
-    CHAT_URL, DUPLICATE, EXIT_SOME_FAILED, TEXT_URL, Defaults, Request, RequestError, parse_line, read_requests,
-)
-from .serve import Totals, run_requests
+from .output import Done, Writer, pending_requests, scan_output
+from .requests import DUPLICATE, EXIT_SOME_FAILED, parse_line, read_requests
 
 __all__ = [
-    "CHAT_URL", "DUPLICATE", "EXIT_SOME_FAILED", "TEXT_URL", "Defaults", "Done", "Request", "RequestError", "Totals",
-    "Writer", "error_record", "failure", "ok_record", "parse_line", "pending_requests", "read_requests",
-    "run_batch", "run_requests", "scan_output",
+    "DUPLICATE", "EXIT_SOME_FAILED", "Done", "Writer", "parse_line", "pending_requests", "read_requests",
+    "run_batch", "scan_output",
 ]

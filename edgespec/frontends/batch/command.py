@@ -10,9 +10,10 @@ import time
 
 from ...errors import EdgespecError
 from ..console import stderr_console
+from ...serving.loop import Totals, run_requests
+from ...serving.requests import Defaults, Request
 from .output import Done, Writer, pending_requests, scan_output
-from .requests import EXIT_SOME_FAILED, Defaults, Request, read_requests
-from .serve import Totals, run_requests
+from .requests import EXIT_SOME_FAILED, read_requests
 
 def _read_input(path: str) -> list[str]:
     if path == "-":

@@ -21,7 +21,7 @@ from ..console import stderr_console
 from .llamacpp import run_llama_cpp, same_answer
 from .report import render_markdown, write_charts
 from .stats import geomean, summarize, _r
-from .suites import load_suite
+from ...suites import load_suite
 
 GREEDY = SamplingConfig(temp=0.0)
 
@@ -228,7 +228,7 @@ def run_batch_bench(a, engine_cfg, methods: list[str], suite: list[dict]) -> int
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from ...engine import Engine
-    from ..batch import Request, run_requests
+    from ...serving import Request, run_requests
 
     nps = parse_parallel(a.parallel)
     if max(nps) > 1:

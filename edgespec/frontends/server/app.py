@@ -1,6 +1,6 @@
 """The HTTP side of `edgespec serve` (Starlette): OpenAI's routes, the key check, the body limit,
 server-sent events. Every request body is validated by the schema `edgespec batch` uses
-(`frontends.schema`); every answer carries batch's `speculative` object. Nothing here touches
+(`edgespec.serving.schema`); every answer carries batch's `speculative` object. Nothing here touches
 llama.cpp's contexts: requests go to the engine's thread (`worker`) and come back through a
 `Sink`. A bad request gets a 4xx in OpenAI's error shape; no request ends the server.
 
@@ -30,8 +30,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..batch.requests import Defaults, Request, prompt_of
-from ..schema import CHAT_URL, TEXT_URL, RequestError
+from ...serving.requests import Defaults, Request, prompt_of
+from ...serving.schema import CHAT_URL, TEXT_URL, RequestError
 from .worker import Sink, Worker
 
 
@@ -111,7 +111,7 @@ class Server:
         self.defaults, self.api_key, self.max_body = defaults, api_key, max_body
         self.read_timeout = read_timeout
         # requests sharing drafting state (the lookahead trie) share its keys: with a key, the
-        # key's holders; without one, nobody (see batch.serve's `share`)
+        # key's holders; without one, nobody (see serving.loop's `share`)
         self.share = "" if api_key else None
         self.created = int(time.time())
         target = engine.target
@@ -196,7 +196,7 @@ class Server:
 
     def _prepare(self, url: str, data: bytes) -> Request:
         """In the preparing thread: the body parsed, checked, bounded and tokenized."""
-        from ..batch.requests import fill_from_body
+        from ...serving.requests import fill_from_body
 
         if not data.strip():
             raise RequestError("the body is empty: send a JSON object", "invalid_json")

