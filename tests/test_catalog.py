@@ -1,13 +1,13 @@
 """The model catalog's entries are well formed, and a target finds its paired draft model
 (nothing is downloaded here)."""
 
-import argparse
 import re
 
 import pytest
 
 import edgespec.models
-from edgespec.frontends.cli import _draft_spec
+from edgespec.frontends.cli import _draft_spec, build_parser, method_names
+from edgespec.frontends.options import options
 from edgespec.models import CATALOG, paired_draft
 
 
@@ -40,6 +40,16 @@ def test_target_finds_its_draft():
     assert paired_draft("./some/model.gguf") is None
 
 
+def _chosen(model: str, draft: str | None, spec: str | None = None, methods: str | None = None) -> str | None:
+    """The draft model the command line chooses: for `run --spec` or for bench's `--methods`."""
+    flags = ["-m", model] + (["-md", draft] if draft is not None else [])
+    if methods is not None:
+        o = options(build_parser().parse_args(["bench", "--methods", methods, *flags]))
+        return _draft_spec(o.models, method_names(o.methods))
+    o = options(build_parser().parse_args(["run", "-p", "x", "--spec", spec, *flags]))
+    return _draft_spec(o.models, [o.spec])
+
+
 @pytest.mark.parametrize("spec,draft,methods,expected", [
     ("draft", None, None, "qwen2.5-coder-0.5b-instruct"),  # needs one: the catalog's pair
     ("pearl", None, None, "qwen2.5-coder-0.5b-instruct"),
@@ -52,24 +62,16 @@ def test_target_finds_its_draft():
 ])
 def test_cli_draft_spec(spec, draft, methods, expected, monkeypatch):
     monkeypatch.setattr(edgespec.models, "is_cached", lambda spec: False)
-    a = argparse.Namespace(model="qwen2.5-coder-1.5b-instruct", draft=draft)
-    if spec is not None:
-        a.spec = spec
-    if methods is not None:
-        a.methods = methods
-    assert _draft_spec(a) == expected
+    assert _chosen("qwen2.5-coder-1.5b-instruct", draft, spec, methods) == expected
 
 
 def test_auto_takes_a_cached_pair(monkeypatch, tmp_path):
     """auto loads the catalog's draft only when it is already on disk (the chain then switches it
     off by measurement where it does not pay); -md none still wins."""
     monkeypatch.setattr(edgespec.models, "is_cached", lambda spec: True)
-    a = argparse.Namespace(model="qwen2.5-coder-1.5b-instruct", draft=None, spec="auto")
-    assert _draft_spec(a) == "qwen2.5-coder-0.5b-instruct"
-    a.draft = "none"
-    assert _draft_spec(a) is None
-    a = argparse.Namespace(model="smollm2-135m-instruct", draft=None, spec="auto")
-    assert _draft_spec(a) is None
+    assert _chosen("qwen2.5-coder-1.5b-instruct", None, "auto") == "qwen2.5-coder-0.5b-instruct"
+    assert _chosen("qwen2.5-coder-1.5b-instruct", "none", "auto") is None
+    assert _chosen("smollm2-135m-instruct", None, "auto") is None
     # the real check: a file that is not there is not cached
     monkeypatch.undo()
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))

@@ -209,13 +209,18 @@ def test_kv_type_f16_says_what_it_costs():
 def test_kv_types_k_and_v():
     """-ctk/-ctv as llama.cpp spells them, --kv-type K/V, and one clear line for a bad type."""
     from edgespec.frontends.cli import build_parser, kv_setting
+    from edgespec.frontends.options import options
 
     ap = build_parser()
-    assert kv_setting(ap.parse_args(["run", "-p", "x"])) == "q8_0/f16"
-    assert kv_setting(ap.parse_args(["run", "-p", "x", "--kv-type", "f16"])) == "f16"
-    assert kv_setting(ap.parse_args(["run", "-p", "x", "--kv-type", "q8_0/q8_0"])) == "q8_0"
-    assert kv_setting(ap.parse_args(["run", "-p", "x", "-ctv", "q8_0"])) == "q8_0"
-    assert kv_setting(ap.parse_args(["run", "-p", "x", "--kv-type", "f16", "-ctk", "q8_0"])) == "q8_0/f16"
+
+    def kv(*flags):
+        return kv_setting(options(ap.parse_args(["run", "-p", "x", *flags])).models)
+
+    assert kv() == "q8_0/f16"
+    assert kv("--kv-type", "f16") == "f16"
+    assert kv("--kv-type", "q8_0/q8_0") == "q8_0"
+    assert kv("-ctv", "q8_0") == "q8_0"
+    assert kv("--kv-type", "f16", "-ctk", "q8_0") == "q8_0/f16"
     r = es("run", "-p", "hi", "--kv-type", "q8_0/q5_1")
     assert r.returncode == 2 and "unknown KV cache type 'q5_1'" in r.stderr
 
@@ -263,3 +268,31 @@ def test_readme_and_docs_cover_every_command():
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (root / link).is_file(), link
     assert "![" in readme and (root / "docs" / "bench.png").is_file()
+
+
+def test_core_never_imports_a_front_end():
+    """Only the front ends (edgespec/frontends/, the entry point) import edgespec.frontends or the
+    chat UI: the core, serving included, is used by them and never the other way round."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "edgespec"
+    front = ("edgespec.frontends", "edgespec.tui")
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "frontends" or rel == Path("__main__.py"):
+            continue
+        pkg = ["edgespec", *rel.parts[:-1]]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                mod = ".".join(pkg[:len(pkg) - node.level + 1] + [node.module or ""]).rstrip(".") if node.level \
+                    else node.module or ""
+                names = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n == f or n.startswith(f + ".") for n in names for f in front):
+                bad.append(f"{rel}:{node.lineno}")
+    assert not bad, bad

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import logging
 import os
 import signal
@@ -13,6 +14,10 @@ from .. import __version__, methods
 from ..errors import EdgespecError
 from ..kvtypes import DEFAULT_KV, KV_TYPES, kv_spec, kv_types
 from ..models import CHAT_MODEL
+from .options import (
+    BatchOptions, BenchOptions, ChatOptions, ConvertOptions, DoctorOptions, DraftOptions, GrammarOptions, ModelOptions,
+    ModelsOptions, PullOptions, QuantizeOptions, RunOptions, SamplingOptions, ServeOptions, TrainOptions, options,
+)
 
 EXIT_INTERRUPTED = 130
 
@@ -59,10 +64,10 @@ def _kv_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def kv_setting(a) -> str:
+def kv_setting(m: ModelOptions) -> str:
     """The K/V cache types from --kv-type, -ctk and -ctv (llama.kv_spec spelling)."""
-    k, v = kv_types(getattr(a, "kv_type", None) or DEFAULT_KV)
-    return kv_spec(getattr(a, "cache_type_k", None) or k, getattr(a, "cache_type_v", None) or v)
+    k, v = kv_types(m.kv_type or DEFAULT_KV)
+    return kv_spec(m.cache_type_k or k, m.cache_type_v or v)
 
 
 def _add_spec_args(p: argparse.ArgumentParser, default_spec: str = "auto") -> None:
@@ -109,11 +114,13 @@ def _add_grammar_args(p: argparse.ArgumentParser) -> None:
                    help="constrain the output to JSON following this schema (a file, or the schema's JSON text)")
 
 
-def _grammar(a) -> str | None:
+def _grammar(g: GrammarOptions | None) -> str | None:
     """The GBNF of --grammar-file or --json-schema, if any (one clear line when unreadable)."""
     from ..rows import json_schema_grammar
 
-    gf, js = getattr(a, "grammar_file", None), getattr(a, "json_schema", None)
+    if g is None:
+        return None
+    gf, js = g.grammar_file, g.json_schema
     if gf is not None:
         try:
             with open(gf, encoding="utf-8") as f:
@@ -254,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="measure the cost of verifying k rows and the exactness probe again for this model and "
                          "setup, replacing the cached ones (once the machine's load or hardware has changed)")
     _add_model_args(dr)
-    dr.set_defaults(draft_n_max=16, draft_n_min=0, draft_p_min=0.0)
 
     pl = sub.add_parser("pull", help="fetch a catalog model (or variant) into the cache")
     pl.add_argument("name", help="catalog name, optionally name:q4_0|q4_1|q8_0|f16")
@@ -345,37 +351,42 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _draft_spec(a) -> str | None:
+def method_names(text: str) -> list[str]:
+    """bench's --methods list: the named methods, else auto (what the engine is loaded for)."""
+    return [m.strip() for m in text.split(",") if m.strip()] if text else ["auto"]
+
+
+def _draft_spec(m: ModelOptions, names: list[str]) -> str | None:
     """-md, else the catalog's draft for -m (qwen2.5-coder-1.5b-instruct drafts with its 0.5B
-    sibling): fetched on first use where the method needs a draft model (draft, pearl); `auto`
-    takes it only when it is already cached (never a download for it) and then switches it off by
-    measurement wherever it does not pay (drafters.chain). `-md none`: none."""
-    if a.draft is not None:
-        return None if a.draft == "none" else a.draft
-    wanted = getattr(a, "methods", None)  # bench's list, else the one method
-    names = [m.strip() for m in wanted.split(",") if m.strip()] if wanted else [getattr(a, "spec", "auto")]
+    sibling) for the methods `names`: fetched on first use where a method needs a draft model
+    (draft, pearl); `auto` takes it only when it is already cached (never a download for it) and
+    then switches it off by measurement wherever it does not pay (drafters.chain). `-md none`: none."""
+    if m.draft is not None:
+        return None if m.draft == "none" else m.draft
     from ..models import is_cached, paired_draft
 
-    pair = paired_draft(a.model)
+    pair = paired_draft(m.model)
     if pair is None:
         return None
-    if any(m in methods.METHODS and methods.METHODS[m].needs_draft_model for m in names):
+    if any(n in methods.METHODS and methods.METHODS[n].needs_draft_model for n in names):
         return pair
     return pair if "auto" in names and is_cached(pair) else None
 
 
-def _engine_config(a):
+def _engine_config(m: ModelOptions, d: DraftOptions, spec: str = "auto", names: list[str] | None = None):
+    """The engine for method `spec` (bench and doctor: auto), its draft model chosen for the
+    methods `names` (default: `spec`)."""
     from ..engine import EngineConfig
 
     return EngineConfig(
-        model=a.model, draft=_draft_spec(a), n_ctx=a.n_ctx, threads=a.threads, threads_draft=a.threads_draft,
-        n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngld, draft_n_max=a.draft_n_max, draft_n_min=a.draft_n_min,
-        draft_p_min=a.draft_p_min, lookahead_cache=getattr(a, "lookahead_cache", None), kv_type=kv_setting(a),
-        exactness=a.exactness, exact_kernels=getattr(a, "exact_kernels", False), rpc=_endpoints(getattr(a, "rpc", None)),
-        rpc_draft=_endpoints(getattr(a, "rpc_draft", None)),
+        model=m.model, draft=_draft_spec(m, [spec] if names is None else names), n_ctx=m.n_ctx, threads=m.threads,
+        threads_draft=m.threads_draft, n_gpu_layers=m.ngl, n_gpu_layers_draft=m.ngld, draft_n_max=d.draft_n_max,
+        draft_n_min=d.draft_n_min, draft_p_min=d.draft_p_min, lookahead_cache=d.lookahead_cache,
+        kv_type=kv_setting(m), exactness=m.exactness, exact_kernels=m.exact_kernels, rpc=_endpoints(m.rpc),
+        rpc_draft=_endpoints(m.rpc_draft),
         # chains need one sequence; only trees borrow more (and a multi-sequence cache costs a little)
-        max_branches=8 if methods.get(getattr(a, "spec", "auto")).trees else 1,
-        pearl_gamma=getattr(a, "pearl_gamma", 4), heads=getattr(a, "heads", None),
+        max_branches=8 if methods.get(spec).trees else 1,
+        pearl_gamma=d.pearl_gamma, heads=d.heads,
     )
 
 
@@ -390,7 +401,7 @@ def _endpoints(text: str | None) -> tuple[str, ...]:
     return eps
 
 
-def _read_prompt(a) -> str:
+def _read_prompt(a: RunOptions) -> str:
     if a.prompt is not None and a.file is not None:
         raise EdgespecError("give the prompt with -p or -f, not both")
     if a.prompt is not None:
@@ -411,49 +422,49 @@ def _read_prompt(a) -> str:
         raise EdgespecError(f"standard input is not UTF-8 text (byte {e.start})") from None
 
 
-def _sampling(a):
+def _sampling(s: SamplingOptions, g: GrammarOptions | None):
     """The sampling flags, checked as a batch line's body fields are (one validation for both)."""
     from ..sampling import make_sampling
 
-    if not hasattr(a, "_grammar_text"):
-        a._grammar_text = _grammar(a)
-    return make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed, grammar=a._grammar_text)
+    return make_sampling(s.temp, s.top_k, s.top_p, s.min_p, s.seed, grammar=_grammar(g))
 
 
-def _validate(a) -> None:
-    if getattr(a, "n_predict", 1) is not None and getattr(a, "n_predict", 1) < 1:
+def _validate(m: ModelOptions, d: DraftOptions, n_predict: int | None = 1, spec: str | None = None,
+              sampling: SamplingOptions | None = None, grammar: GrammarOptions | None = None):
+    """Check the shared flags, in this order, with one line for the first that is wrong; the
+    sampling settings (with the grammar read) when the command has sampling flags, else None."""
+    if n_predict is not None and n_predict < 1:
         raise EdgespecError("-n must be at least 1")
-    if a.n_ctx < 16:
+    if m.n_ctx < 16:
         raise EdgespecError("-c must be at least 16")
-    if a.threads < 0 or a.threads_draft < 0:
+    if m.threads < 0 or m.threads_draft < 0:
         raise EdgespecError("-t and -td must be at least 1 (0: all cores, at most 8)")
-    if a.ngl < -1 or a.ngld < -1:
+    if m.ngl < -1 or m.ngld < -1:
         raise EdgespecError("-ngl and -ngld must be at least 0 (-1: all layers)")
-    if hasattr(a, "temp"):
-        _sampling(a)
-    if a.draft_n_max < 0 or a.draft_n_min < 0 or a.draft_n_min > a.draft_n_max:
+    cfg = _sampling(sampling, grammar) if sampling is not None else None
+    if d.draft_n_max < 0 or d.draft_n_min < 0 or d.draft_n_min > d.draft_n_max:
         raise EdgespecError("draft lengths need 0 <= --spec-draft-n-min <= --spec-draft-n-max")
-    if hasattr(a, "spec") and methods.get(a.spec).needs_draft_model and not _draft_spec(a):
-        raise EdgespecError(f"--spec {a.spec} needs a draft model: pass -md MODEL")
-    if getattr(a, "pearl_gamma", 1) < 1:
+    if spec is not None and methods.get(spec).needs_draft_model and not _draft_spec(m, [spec]):
+        raise EdgespecError(f"--spec {spec} needs a draft model: pass -md MODEL")
+    if d.pearl_gamma < 1:
         raise EdgespecError("--pearl-gamma must be at least 1")
+    return cfg
 
 
-def cmd_run(a) -> int:
+def cmd_run(a: RunOptions) -> int:
     from ..engine import Engine
     from ..text import TextStream
 
-    _validate(a)
+    sampling = _validate(a.models, a.drafting, a.n_predict, a.spec, a.sampling, a.grammar)
     text = _read_prompt(a)
     if not text.strip():
         raise EdgespecError("empty prompt")
-    engine = Engine(_engine_config(a), quiet=a.json)
+    engine = Engine(_engine_config(a.models, a.drafting, a.spec), quiet=a.json)
     if a.raw:
         prompt = engine.prompt_tokens(text, raw=True, special=True)  # the user's own prompt, as written
     else:
         msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
         prompt = engine.prompt_tokens(messages=msgs)
-    sampling = _sampling(a)
     gen = engine.start(prompt, a.n_predict, sampling, a.spec)
     used = gen.drafter_name
     stream = TextStream(engine.target)
@@ -483,19 +494,17 @@ def cmd_run(a) -> int:
     return EXIT_INTERRUPTED if interrupted else 0
 
 
-def cmd_chat(a) -> int:
+def cmd_chat(a: ChatOptions) -> int:
     from ..engine import Engine
     from .session import ChatSession
 
-    _validate(a)
+    sampling = _validate(a.models, a.drafting, a.n_predict, a.spec, a.sampling, a.grammar)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
-    cfg = _engine_config(a)
+    cfg = _engine_config(a.models, a.drafting, a.spec)
     if interactive:  # the drafter can be switched live: allow trees
-        from dataclasses import replace
-
         cfg = replace(cfg, max_branches=8)
     engine = Engine(cfg, quiet=not interactive)
-    session = ChatSession(engine, a.spec, _sampling(a), a.n_predict, a.system, reuse=a.reuse)
+    session = ChatSession(engine, a.spec, sampling, a.n_predict, a.system, reuse=a.reuse)
     if interactive:
         try:
             from edgespec.tui.app import run_app
@@ -521,21 +530,21 @@ def _chat_lines(session) -> int:
     return 0
 
 
-def cmd_doctor(a) -> int:
+def cmd_doctor(a: DoctorOptions) -> int:
     from .doctor import run_doctor
 
-    _validate(a)
-    return run_doctor(a, _engine_config(a))
+    _validate(a.models, a.drafting)
+    return run_doctor(a, _engine_config(a.models, a.drafting))
 
 
-def cmd_pull(a) -> int:
+def cmd_pull(a: PullOptions) -> int:
     from ..models import resolve
 
     print(resolve(a.name))
     return 0
 
 
-def cmd_models(a) -> int:
+def cmd_models(a: ModelsOptions) -> int:
     from ..models import list_models, models_dir
 
     rows = list_models()
@@ -557,7 +566,7 @@ def cmd_models(a) -> int:
     return 0
 
 
-def cmd_quantize(a) -> int:
+def cmd_quantize(a: QuantizeOptions) -> int:
     from pathlib import Path
 
     from ..llama import quantize
@@ -575,11 +584,10 @@ def cmd_quantize(a) -> int:
     return 0
 
 
-def cmd_batch(a) -> int:
-
+def cmd_batch(a: BatchOptions) -> int:
     from .batch import run_batch
 
-    _validate(a)
+    sampling = _validate(a.models, a.drafting, a.n_predict, a.spec, a.sampling, a.grammar)
     if a.parallel < 1:
         raise EdgespecError("-np must be at least 1")
     if a.parallel > 64:
@@ -590,21 +598,21 @@ def cmd_batch(a) -> int:
         raise EdgespecError("--cache-ram takes MiB from 0 to 2**30")
     if a.cache_ram and not a.reuse:
         raise EdgespecError("--cache-ram keeps KV state for --reuse: add --reuse")
-    cfg = _engine_config(a)
+    cfg = _engine_config(a.models, a.drafting, a.spec)
     if hasattr(signal, "SIGTERM"):  # `kill`: stop like Ctrl+C, keeping every finished result
         signal.signal(signal.SIGTERM, _raise_interrupt)
-    return run_batch(a, cfg)
+    return run_batch(a, cfg, sampling)
 
 
-def cmd_serve(a) -> int:
+def cmd_serve(a: ServeOptions) -> int:
     from .server.command import run_serve
 
     if a.n_predict == 0:
-        a.n_predict = None  # up to the context: filled in once the engine knows it
-    _validate(a)
+        a = replace(a, n_predict=None)  # up to the context: filled in once the engine knows it
+    sampling = _validate(a.models, a.drafting, a.n_predict, a.spec, a.sampling)
     m = methods.get(a.spec)
     if a.parallel is None:
-        a.parallel = 4 if m.multi_sequence else 1
+        a = replace(a, parallel=4 if m.multi_sequence else 1)
     if not 1 <= a.parallel <= 64:
         raise EdgespecError("-np must be between 1 and 64")
     if a.parallel > 1 and not m.multi_sequence:
@@ -622,17 +630,17 @@ def cmd_serve(a) -> int:
         raise EdgespecError("--read-timeout must be above 0 seconds")
     if a.cache_ram is not None and not 0 <= a.cache_ram <= 1 << 30:
         raise EdgespecError("--cache-ram takes MiB from 0 to 2**30 (0: off)")
-    return run_serve(a, _engine_config(a))
+    return run_serve(a, _engine_config(a.models, a.drafting, a.spec), sampling)
 
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def cmd_bench(a) -> int:
+def cmd_bench(a: BenchOptions) -> int:
     from .bench import run_bench
 
-    _validate(a)
+    _validate(a.models, a.drafting, a.n_predict)
     if a.repeat < 1:
         raise EdgespecError("--repeat must be at least 1")
     if not 0 <= a.min_time <= 600:
@@ -641,16 +649,16 @@ def cmd_bench(a) -> int:
         raise EdgespecError("--limit must be at least 0 (0: every prompt)")
     if a.out and os.path.exists(a.out) and not os.path.isdir(a.out):
         raise EdgespecError(f"--out {a.out} is a file; give a folder for report.json")
-    return run_bench(a, _engine_config(a))
+    return run_bench(a, _engine_config(a.models, a.drafting, "auto", method_names(a.methods)))
 
 
-def cmd_convert(a) -> int:
+def cmd_convert(a: ConvertOptions) -> int:
     from .heads_cmd import run_convert
 
     return run_convert(a)
 
 
-def cmd_train(a) -> int:
+def cmd_train(a: TrainOptions) -> int:
     from .heads_cmd import run_train
 
     return run_train(a)
@@ -688,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "models": cmd_models, "quantize": cmd_quantize, "bench": cmd_bench,
                 "batch": cmd_batch, "serve": cmd_serve, "doctor": cmd_doctor, "convert": cmd_convert, "train": cmd_train}
     try:
-        return handlers[a.cmd](a)
+        return handlers[a.cmd](options(a))
     except EdgespecError as e:
         print(f"edgespec: error: {e}", file=sys.stderr)
         return e.exit_code

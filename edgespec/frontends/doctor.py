@@ -6,6 +6,7 @@ import json
 
 from .. import __version__
 from ..costmodel import QUIET_SHARE
+from .options import DoctorOptions
 
 
 def report(engine) -> dict:
@@ -35,12 +36,12 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n else "?"
 
 
-def run_doctor(a, cfg) -> int:
+def run_doctor(a: DoctorOptions, cfg) -> int:
     from ..engine import Engine
 
     engine = Engine(cfg, quiet=a.json)
     try:
-        if getattr(a, "remeasure", False):
+        if a.remeasure:
             engine.remeasure_cost(quiet=a.json)
         r = report(engine)
     finally:

@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 from ..errors import EdgespecError
+from .options import ConvertOptions, TrainOptions
 
 
-def run_convert(a) -> int:
+def run_convert(a: ConvertOptions) -> int:
     from ..heads.store import convert_any
     from ..llama import Model
     from ..models import resolve
@@ -42,7 +43,7 @@ def _load_exclude(path: str | None) -> set[str]:
     return out
 
 
-def run_train(a) -> int:
+def run_train(a: TrainOptions) -> int:
     from ..engine import Engine, EngineConfig
     from ..heads.store import heads_dir
     from ..models import cache_root

@@ -9,11 +9,14 @@ import sys
 import time
 
 from ...errors import EdgespecError
-from ..console import stderr_console
+from ...sampling import SamplingConfig
 from ...serving.loop import Totals, run_requests
 from ...serving.requests import Defaults, Request
+from ..console import stderr_console
+from ..options import BatchOptions
 from .output import Done, Writer, pending_requests, scan_output
 from .requests import EXIT_SOME_FAILED, read_requests
+
 
 def _read_input(path: str) -> list[str]:
     if path == "-":
@@ -33,17 +36,16 @@ def _read_input(path: str) -> list[str]:
         raise EdgespecError(f"cannot read input {path}: {e.strerror}") from None
 
 
-def run_batch(a, engine_cfg) -> int:
-    """The `edgespec batch` command (arguments already validated by the CLI)."""
+def run_batch(a: BatchOptions, engine_cfg, sampling: SamplingConfig) -> int:
+    """The `edgespec batch` command (options already validated by the CLI; `sampling`: the flags'
+    settings, with --grammar-file / --json-schema, for requests that do not set theirs)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ...engine import Engine
 
     if a.output != "-" and a.input != "-" and os.path.abspath(a.input) == os.path.abspath(a.output):
         raise EdgespecError("the output file must not be the input file")
-    from ..cli import _sampling
-
-    defaults = Defaults(a.n_predict, _sampling(a))  # with --grammar-file / --json-schema
+    defaults = Defaults(a.n_predict, sampling)
     reqs = read_requests(_read_input(a.input), defaults)
     if not reqs:
         raise EdgespecError(f"no requests in {a.input}")
@@ -117,7 +119,7 @@ def run_batch(a, engine_cfg) -> int:
 
             try:
                 run_requests(engine, todo, a.spec, a.parallel, emit, on_step, totals=totals,
-                             reuse=getattr(a, "reuse", False), cache=_cache(a))
+                             reuse=a.reuse, cache=_cache(a))
             except KeyboardInterrupt:
                 interrupted = True
     finally:
@@ -172,11 +174,11 @@ def run_batch(a, engine_cfg) -> int:
     return EXIT_SOME_FAILED if totals.failed else 0
 
 
-def _compare(engine, todo: list[Request], a, spec: Totals) -> dict:
+def _compare(engine, todo: list[Request], a: BatchOptions, spec: Totals) -> dict:
     """The same requests again without speculation (results not written)."""
     print(f"edgespec: --compare: running the {len(todo)} requests again with --spec none", file=sys.stderr)
     base = run_requests(engine, todo, "none", a.parallel, lambda req, rec: None, quiet=True,
-                        reuse=getattr(a, "reuse", False), cache=_cache(a))
+                        reuse=a.reuse, cache=_cache(a))
     greedy = [r.custom_id for r in todo if r.error is None and r.sampling.greedy and r.custom_id in base.outputs]
     same = sum(1 for c in greedy if spec.outputs.get(c) == base.outputs[c])
     d = base.to_dict()
@@ -185,9 +187,9 @@ def _compare(engine, todo: list[Request], a, spec: Totals) -> dict:
     return d
 
 
-def _cache(a):
+def _cache(a: BatchOptions):
     """A fresh host-RAM prompt cache for one run (`--cache-ram`, with `--reuse`), or None."""
     from ...promptcache import PromptCache
 
-    mib = getattr(a, "cache_ram", 0) or 0
-    return PromptCache(mib << 20) if mib > 0 and getattr(a, "reuse", False) else None
+    mib = a.cache_ram or 0
+    return PromptCache(mib << 20) if mib > 0 and a.reuse else None

@@ -18,6 +18,7 @@ from ...errors import EdgespecError
 from ...events import Stats
 from ...sampling import SamplingConfig
 from ..console import stderr_console
+from ..options import BenchOptions
 from .llamacpp import run_llama_cpp, same_answer
 from .report import render_markdown, write_charts
 from .stats import geomean, summarize, _r
@@ -85,7 +86,7 @@ def run_curve(cost, ratios: list[tuple[float, ...]]):
     return curve
 
 
-def run_bench(a, engine_cfg) -> int:
+def run_bench(a: BenchOptions, engine_cfg) -> int:
     from ...engine import Engine
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -95,7 +96,7 @@ def run_bench(a, engine_cfg) -> int:
         if method.needs_draft_model and not engine_cfg.draft:
             raise EdgespecError(f"method {m} needs a draft model: pass -md MODEL")
     suite = load_suite(a.suite, a.categories, a.limit)
-    if getattr(a, "parallel", None):
+    if a.parallel:
         return run_batch_bench(a, engine_cfg, methods, suite)
     eng = Engine(engine_cfg, quiet=False)
     try:
@@ -104,7 +105,7 @@ def run_bench(a, engine_cfg) -> int:
         eng.close()  # writes back what the cost curve's correction and auto's gates learned
 
 
-def _run_sequential(a, engine_cfg, eng, methods: list[str], suite: list[dict]) -> int:
+def _run_sequential(a: BenchOptions, engine_cfg, eng, methods: list[str], suite: list[dict]) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     prompts = []
@@ -125,9 +126,9 @@ def _run_sequential(a, engine_cfg, eng, methods: list[str], suite: list[dict]) -
     with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   TextColumn("{task.fields[info]}"), transient=True, console=stderr_console()) as prog:
         task = prog.add_task("bench", total=total, info="")
-        llama_cpp = [LLAMA_CPP] if getattr(a, "llama_cpp_bin", None) else []
-        min_time = getattr(a, "min_time", 0.0)
-        reuse = bool(getattr(a, "reuse", False))
+        llama_cpp = [LLAMA_CPP] if a.llama_cpp_bin else []
+        min_time = a.min_time
+        reuse = a.reuse
         for item, toks, n in prompts:
             if reuse:
                 read_prompt_once(eng, toks)
@@ -145,7 +146,7 @@ def _run_sequential(a, engine_cfg, eng, methods: list[str], suite: list[dict]) -
                     for m in order[k:] + order[:k]:
                         if m == LLAMA_CPP:
                             for rec in run_llama_cpp(a.llama_cpp_bin, eng, [(item, toks, n)], engine_cfg, rep,
-                                                     getattr(a, "llama_cpp_kv", None)):
+                                                     a.llama_cpp_kv):
                                 theirs_cells.setdefault(rec["method"], []).append(rec)
                             continue
                         g = run_method(eng, toks, n, m, reuse=reuse)
@@ -187,7 +188,7 @@ def _run_sequential(a, engine_cfg, eng, methods: list[str], suite: list[dict]) -
     report["exactness"] = eng.exactness_info()
     report["config"] = {
         "model": engine_cfg.model, "draft": engine_cfg.draft, "threads": eng.ctx.n_threads, "kv_type": engine_cfg.kv_type,
-        "llama_cpp_kv": getattr(a, "llama_cpp_kv", None) or engine_cfg.kv_type,
+        "llama_cpp_kv": a.llama_cpp_kv or engine_cfg.kv_type,
         "n_predict": a.n_predict, "repeat": a.repeat, "suite": a.suite or "built-in", "prompts": len(prompts),
         "methods": methods,
     }
@@ -221,7 +222,7 @@ def parse_parallel(text: str) -> list[int]:
     return sorted(set(vals))
 
 
-def run_batch_bench(a, engine_cfg, methods: list[str], suite: list[dict]) -> int:
+def run_batch_bench(a: BenchOptions, engine_cfg, methods: list[str], suite: list[dict]) -> int:
     """Batch throughput: the whole suite as one batch per (sequences per decode, method), rounds
     rotated so that drift on a shared machine hits every cell alike. Greedy outputs are compared
     with `none` at one sequence."""

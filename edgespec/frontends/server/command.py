@@ -12,8 +12,9 @@ import socket
 import sys
 
 from ...errors import EdgespecError
-from ...sampling import make_sampling
+from ...sampling import SamplingConfig
 from ...serving.requests import Defaults
+from ..options import ServeOptions
 
 log = logging.getLogger("edgespec.serve")
 
@@ -101,7 +102,9 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run_serve(a, cfg) -> int:
+def run_serve(a: ServeOptions, cfg, sampling: SamplingConfig) -> int:
+    """The `edgespec serve` command (options validated and settled by the CLI; `sampling`: the
+    flags' settings, for requests that do not set theirs)."""
     try:
         import uvicorn
     except ImportError:
@@ -124,11 +127,11 @@ def run_serve(a, cfg) -> int:
                     f"bit-exact with this build: -np {n_par} is lowered to {engine.max_verify_rows}")
         n_par = engine.max_verify_rows
     max_tokens = a.n_predict if a.n_predict else engine.n_ctx_seq
-    defaults = Defaults(max_tokens, make_sampling(a.temp, a.top_k, a.top_p, a.min_p, a.seed))
+    defaults = Defaults(max_tokens, sampling)
     from ...promptcache import cache_bytes
 
-    reuse = getattr(a, "reuse", True)
-    ram = cache_bytes(getattr(a, "cache_ram", None)) if reuse else 0
+    reuse = a.reuse
+    ram = cache_bytes(a.cache_ram) if reuse else 0
     worker = Worker(engine, a.spec, n_par, a.max_queue, reuse=reuse, cache_ram=ram)
     name = model_name(cfg)
     local = is_loopback(host)
