@@ -44,27 +44,29 @@ class RequestError(Exception):
         self.code, self.status = code, status
 
 
-class TextPart(BaseModel):
+class _Strict(BaseModel):
+    """Every part of a body: unknown fields refused, no coercion (a "1" is not a 1)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
     type: Literal["text"]
     text: StrictStr
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class FunctionCall(_Strict):
     name: StrictStr
     arguments: StrictStr  # a JSON text, as OpenAI sends it
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ToolCall(_Strict):
     id: StrictStr
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
     name: StrictStr | None = None
@@ -100,27 +102,23 @@ class Message(BaseModel):
         return d
 
 
-class Function(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Function(_Strict):
     name: StrictStr
     description: StrictStr | None = None
     parameters: dict | None = None
     strict: StrictBool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Tool(_Strict):
     type: Literal["function"]
     function: Function
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class NamedFunction(_Strict):
     name: StrictStr
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
 
@@ -133,21 +131,18 @@ def _depth(x, limit: int) -> int:
     return 1 + max((_depth(v, limit - 1) for v in vals), default=0)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
-class JsonSchema(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class JsonSchema(_Strict):
     name: StrictStr | None = None
     description: StrictStr | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: StrictBool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
@@ -158,11 +153,9 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class _Body(BaseModel):
+class _Body(_Strict):
     """Fields both endpoints take. Unknown fields are refused: a field we would silently ignore
     could change what the caller expects (tools, ...); those in IGNORED change nothing here."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
