@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 
 from .. import __version__, methods
 from ..errors import EdgespecError
