@@ -62,34 +62,40 @@ class GrammarOptions:
 
 
 @dataclass(frozen=True)
-class RunOptions:
+class _Decoding:
+    """What every command that generates text shares: the method (--spec), the models, how
+    drafts are made, the sampling flags."""
+
+    spec: str
+    models: ModelOptions
+    drafting: DraftOptions
+    sampling: SamplingOptions
+
+
+@dataclass(frozen=True)
+class _Constrained(_Decoding):
+    grammar: GrammarOptions  # --grammar-file / --json-schema
+
+
+@dataclass(frozen=True)
+class RunOptions(_Constrained):
     prompt: str | None
     file: str | None
     n_predict: int
     raw: bool
     system: str | None
     json: bool
-    spec: str
-    models: ModelOptions
-    drafting: DraftOptions
-    sampling: SamplingOptions
-    grammar: GrammarOptions
 
 
 @dataclass(frozen=True)
-class ChatOptions:
+class ChatOptions(_Constrained):
     n_predict: int
     system: str | None
     reuse: bool
-    spec: str
-    models: ModelOptions
-    drafting: DraftOptions
-    sampling: SamplingOptions
-    grammar: GrammarOptions
 
 
 @dataclass(frozen=True)
-class BatchOptions:
+class BatchOptions(_Constrained):
     input: str
     output: str
     parallel: int
@@ -102,15 +108,10 @@ class BatchOptions:
     cache_ram: int  # MiB
     stats: str | None
     quiet: bool
-    spec: str
-    models: ModelOptions
-    drafting: DraftOptions
-    sampling: SamplingOptions
-    grammar: GrammarOptions
 
 
 @dataclass(frozen=True)
-class ServeOptions:
+class ServeOptions(_Decoding):
     host: str
     port: int
     api_key: str | None
@@ -123,10 +124,6 @@ class ServeOptions:
     cache_ram: int | None  # MiB; None: promptcache.cache_bytes's default
     reuse: bool
     quiet: bool
-    spec: str
-    models: ModelOptions
-    drafting: DraftOptions
-    sampling: SamplingOptions
 
 
 @dataclass(frozen=True)
