@@ -105,13 +105,16 @@ class Engine:
 
     @property
     def policy(self) -> str:
+        """strict or batched: the policy in force (Exactness.policy)."""
         return self.exactness.policy
 
     @property
     def max_verify_rows(self) -> int:
+        """The most rows one verification decodes under the policy in force."""
         return self.exactness.max_verify_rows
 
     def exactness_info(self) -> dict:
+        """The probe's result and the policy in force, as stats, bench and the UI show them."""
         return self.exactness.info()
 
     # -- prompts (edgespec.prompts) -------------------------------------------------------
