@@ -1,13 +1,17 @@
 """What llama.cpp runs on here: its compiled backends and devices (ggml's device registry, bound
 with ctypes: llama-cpp-python 0.3.36 does not bind it), GPU offload and RPC support, and the
-system info line. Read by `edgespec doctor` and by the engine's exactness policy."""
+system info line; the devices a model offloads to with RPC servers. Read by `edgespec doctor`, by
+the engine's exactness policy and by the engine when it loads its models."""
 
 from __future__ import annotations
 
 import ctypes
 import glob
+import logging
 import os
 from functools import lru_cache
+
+log = logging.getLogger(__name__)
 
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 
@@ -180,3 +184,19 @@ def local_gpu_devices() -> list[int]:
             out.append(dev)
     return out
 
+
+
+def devices_for(rpc: tuple[str, ...], rpc_draft: tuple[str, ...],
+                n_gpu_layers: int) -> tuple[list[int] | None, list[int] | None]:
+    """Devices for the target and the draft model: with `rpc` servers the target offloads to them
+    (and this machine's GPUs), the draft model only to this machine's GPUs unless `rpc_draft`
+    names servers for it. Without RPC: llama.cpp's default (every device), None."""
+    if not rpc and not rpc_draft:
+        return None, None
+    target = add_rpc_servers(list(rpc)) if rpc else []
+    draft = add_rpc_servers(list(rpc_draft)) if rpc_draft else []
+    local = local_gpu_devices()
+    if rpc and n_gpu_layers == 0:
+        log.warning("--rpc: the target's layers stay here with -ngl 0; -ngl N (or -1: all) offloads them to "
+                    "the RPC servers")
+    return local + target, local + draft

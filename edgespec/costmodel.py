@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from .llama import Context
+from .models import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -476,6 +477,16 @@ def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layer
     return cm
 
 
+COSTS_FILE = "costs.json"  # the cost cache, in the model cache's folder (edgespec.models.cache_root)
+
+
+def curve(ctx: Context, kv, n_gpu_layers: int = 0, rpc: tuple[str, ...] = (), quiet: bool = True,
+          force: bool = False) -> CostModel:
+    """`load_or_measure` for a model loaded here with `n_gpu_layers` offloaded (to the `rpc`
+    servers, if any), cached beside the models."""
+    return load_or_measure(ctx, kv, cache_root() / COSTS_FILE, n_gpu_layers, quiet, tag=",".join(rpc), force=force)
+
+
 def _store(cm: CostModel) -> None:
     """Write `cm` (curve, probe, online state) as the record it came from."""
     if cm.origin is None:
@@ -545,3 +556,17 @@ def heal(ctx: Context, kv, cm: CostModel, why: str, quiet: bool = True) -> CostM
     return new
 
 
+def keep_up(ctx: Context, kv, cm: CostModel, quiet: bool = True) -> tuple[CostModel, str]:
+    """Between generations (never during one): `cm` measured again where its online corrections
+    stayed far from 1 (`due`, `heal`), with what `kv` held (a conversation's cache) read back
+    after; else what the corrections learned written back (`persist`). Returns the curve to use
+    from now on and why it was measured again ('' if it was not)."""
+    why = due(cm)
+    if not why:
+        persist(cm)
+        return cm, ""
+    held = list(kv.tokens)
+    cm = heal(ctx, kv, cm, why, quiet)
+    if held:
+        kv.extend(held, want_logits=False)
+    return cm, why

@@ -12,6 +12,8 @@ from .errors import EdgespecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .drafters.base import Drafter
+    from .lifecycle import Lifecycle
+    from .sampling import SamplingConfig
 
 # An edgespec.engine.Engine. Not imported, even for type checking: the engine imports this
 # registry, and the registry, its builders and the drafters read the engine only through what they
@@ -33,12 +35,14 @@ class Options:
 class Method:
     name: str
     summary: str
-    scheduler: str = "sequential"  # "sequential": the one-step loop drives `build`'s drafter; "pearl"
     needs_draft_model: bool = False
     needs_heads: bool = False  # a heads file (--heads)
     trees: bool = False  # may draft several branches per step
     multi_sequence: bool = False  # runs with several sequences per decode (-np > 1)
     build: Callable[[Engine, Options], "Drafter"] | None = None
+    # a scheduler of its own (PEARL): starts the generation itself from (engine, prompt, max_tokens,
+    # sampling, reuse); None: the sequential loop drives `build`'s drafter (Engine.start)
+    start: Callable[[Engine, list[int], int, "SamplingConfig", bool], "Lifecycle"] | None = None
 
     def available(self, engine: Engine) -> bool:
         if self.needs_draft_model and engine.draft_model is None:
@@ -166,6 +170,12 @@ def _eagle3(engine, opt):
     return build(engine, heads_path(engine.cfg.heads, "eagle3", engine.target), tree=opt.max_branches > 1)
 
 
+def _pearl(engine, prompt, max_tokens, sampling, reuse):
+    from .schedulers.pearl import PearlGeneration
+
+    return PearlGeneration(engine, prompt, max_tokens, sampling, reuse=reuse, gamma=engine.cfg.pearl_gamma)
+
+
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("none", "plain decoding through the same loop: the baseline", build=_none, multi_sequence=True),
     Method("ngram", "prompt lookup: the last 1-3 tokens matched in prompt and output", build=_ngram,
@@ -178,7 +188,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "time is switched off by measurement",
            build=_auto, trees=True, multi_sequence=True),
     Method("pearl", "the draft model drafts in its own thread while the target verifies (PEARL)",
-           scheduler="pearl", needs_draft_model=True),
+           start=_pearl, needs_draft_model=True),
     Method("medusa", "Medusa heads on the target's last hidden state propose the next tokens, as a tree",
            build=_medusa, needs_heads=True, trees=True),
     Method("eagle", "an EAGLE head runs ahead on the target's features (EAGLE-2's dynamic tree)",

@@ -48,11 +48,11 @@ def _run(engine, method="lookahead"):
 def gpu_like(smol):
     """The real engine made to look like a GPU backend whose batches differ from one-row decodes:
     rows cost as much as one, nothing beyond one row bit-exact, a near-tie margin of 0.03."""
-    saved = (smol.cost, smol._gpu, smol.cfg)
+    saved = (smol.cost, smol.on_gpu, smol.cfg)
     smol.cost = flat(0.01, max_exact_rows=1, batch_logit_diff=0.03)
-    smol._gpu = True
+    smol.on_gpu = True
     yield smol
-    smol.cost, smol._gpu, smol.cfg = saved
+    smol.cost, smol.on_gpu, smol.cfg = saved
 
 
 def test_simulated_gpu_keeps_speculating_under_batched(gpu_like, smol):
@@ -76,7 +76,7 @@ def test_simulated_gpu_under_strict_does_not_draft_and_says_so(gpu_like, caplog)
     lg = logging.getLogger("edgespec")
     lg.addHandler(caplog.handler)
     try:
-        eng._note_exactness(quiet=False)
+        eng.exactness.warn(eng.target.path.name, eng.cfg.kv_type)
     finally:
         lg.removeHandler(caplog.handler)
     assert "speculation is off" in caplog.text and "--exactness batched" in caplog.text
