@@ -1,5 +1,5 @@
 from edgespec.costmodel import KS, CostModel, flat
-from edgespec.drafters.base import Budget
+from edgespec.drafters.base import Budget, sized
 from edgespec.drafters.ngram import NgramDrafter, NgramIndex
 from edgespec.sampling import SamplingConfig
 
@@ -17,9 +17,9 @@ def test_ngram_no_match_drafts_nothing():
     d = NgramDrafter()
     d.begin([1, 2, 3])
     b = Budget(16, 8, 1, flat(), SamplingConfig())
-    assert d.propose([1, 2, 3, 77], b).tokens == []  # 77 was never seen: nothing to draft
+    assert sized(d.propose([1, 2, 3, 77], b), b).tokens == []  # 77 was never seen: nothing to draft
     # the same sequence, grown by the tokens committed since: [1, 2] was seen, followed by 3, 77
-    draft = d.propose([1, 2, 3, 77, 1, 2], b)
+    draft = sized(d.propose([1, 2, 3, 77, 1, 2], b), b)
     assert draft.tokens[:2] == [3, 77] and draft.is_chain
 
 
