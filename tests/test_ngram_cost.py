@@ -23,6 +23,30 @@ def test_ngram_no_match_drafts_nothing():
     assert draft.tokens[:2] == [3, 77] and draft.is_chain
 
 
+def test_the_scheduler_sizes_a_drafters_candidates():
+    """A drafter proposes candidates with their path chances; the sizing step keeps as many as
+    pay (at least n_min), multi takes all of them, and a Draft (a chain sized while drafted)
+    passes whole."""
+    from dataclasses import replace
+
+    from edgespec.draft import Draft
+    from edgespec.drafters.base import Candidates, every
+
+    d = NgramDrafter()
+    d.begin([1, 2, 3, 4, 5, 6, 7, 8])
+    steep = CostModel(KS, tuple(0.01 * k for k in KS), online=False)  # k rows cost k plain steps
+    b = Budget(16, 1, 1, steep, SamplingConfig())
+    cands = d.propose([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], b)
+    assert isinstance(cands, Candidates) and len(cands.path) == 8  # 4 .. 8, 1, 2, 3
+    assert sized(cands, b).tokens == []  # nothing pays on this curve
+    assert sized(cands, replace(b, n_min=2)).tokens == [4, 5]  # --spec-draft-n-min
+    assert sized(cands, replace(b, cost=flat())).tokens == [4, 5, 6, 7, 8, 1, 2, 3]
+    draft, path = every(cands)
+    assert draft.tokens == [4, 5, 6, 7, 8, 1, 2, 3] and list(path) == list(cands.path)
+    chain = Draft.chain([9, 9, 9])
+    assert sized(chain, b) is chain and every(chain) == (chain, [])
+
+
 def test_cost_model_sizes_drafts_by_cost():
     cpu = CostModel(KS, tuple(0.005 * (1 + 0.35 * (k - 1)) for k in KS))  # t(8) ~ 3.5 t(1)
     sure = [0.95 ** i for i in range(1, 17)]
