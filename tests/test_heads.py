@@ -10,8 +10,9 @@ import pytest
 
 from conftest import GREEDY, PROMPTS, Spy
 from edgespec.costmodel import flat
-from edgespec.drafters.heads import EagleDrafter, MedusaDrafter, _best_first, select
-from edgespec.drafters.base import Budget
+from edgespec.drafters.heads import EagleDrafter, MedusaDrafter
+from edgespec.drafters.base import Budget, sized
+from edgespec.drafters.tree import best_first, select
 from edgespec.engine import Engine, EngineConfig
 from edgespec.gguf_check import GGUFInfo
 from edgespec.heads.convert import convert
@@ -93,14 +94,14 @@ def test_select_lays_trees_out_depth_first():
     row and branch budget: the KV bookkeeping keeps the first branch's cells in place."""
     nodes = [(0.9, -1, 10, 0.9), (0.5, -1, 11, 0.5), (0.8, 0, 12, 0.9), (0.4, 0, 13, 0.4), (0.7, 2, 14, 0.9)]
     b = Budget(max_nodes=8, max_branches=8, fixed_rows=1, cost=flat(0.05), sampling=GREEDY, n_min=5)
-    d = select(nodes, b, "x")
+    d = sized(select(nodes, b, "x"), b)
     assert d.tokens == [10, 12, 14, 13, 11] and d.parents == [-1, 0, 1, 0, -1]
     b2 = replace(b, max_branches=2, n_min=8)
-    d2 = select(nodes, b2, "x")
+    d2 = sized(select(nodes, b2, "x"), b2)
     assert len(d2.leaves()) <= 2
     # an end-of-generation node is left out: where the target ends there, its parent's row
     # yields the end token as the step's own, so its row would buy nothing
-    d3 = select(nodes, b, "x", is_stop=lambda tok: tok == 14)
+    d3 = sized(select(nodes, b, "x", is_stop=lambda tok: tok == 14), b)
     assert d3.tokens == [10, 12, 13, 11] and d3.parents == [-1, 0, 0, -1]
 
 
@@ -236,9 +237,9 @@ def test_shipped_heads_are_found_and_accepted(smol, kind):
 def test_medusa_tree_ends_a_branch_at_the_end_of_generation():
     """Medusa's children do not depend on the node; an end-of-generation node still gets none."""
     choices = [[(7, 0.9), (2, 0.5)], [(3, 0.9), (5, 0.4)], [(4, 0.9)]]
-    nodes = _best_first(choices, 20)
+    nodes = best_first(choices, 20)
     assert any(nodes[par][2] == 7 for _, par, _, _ in nodes if par >= 0)
-    stopped = _best_first(choices, 20, is_stop=lambda tok: tok == 7)
+    stopped = best_first(choices, 20, is_stop=lambda tok: tok == 7)
     assert [n for n in stopped if n[1] < 0] == [n for n in nodes if n[1] < 0]  # both roots stay
     assert not any(stopped[par][2] == 7 for _, par, _, _ in stopped if par >= 0)
     assert any(stopped[par][2] == 2 for _, par, _, _ in stopped if par >= 0)

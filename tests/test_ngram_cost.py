@@ -1,5 +1,5 @@
 from edgespec.costmodel import KS, CostModel, flat
-from edgespec.drafters.base import Budget
+from edgespec.drafters.base import Budget, sized
 from edgespec.drafters.ngram import NgramDrafter, NgramIndex
 from edgespec.sampling import SamplingConfig
 
@@ -17,10 +17,34 @@ def test_ngram_no_match_drafts_nothing():
     d = NgramDrafter()
     d.begin([1, 2, 3])
     b = Budget(16, 8, 1, flat(), SamplingConfig())
-    assert d.propose([1, 2, 3, 77], b).tokens == []  # 77 was never seen: nothing to draft
+    assert sized(d.propose([1, 2, 3, 77], b), b).tokens == []  # 77 was never seen: nothing to draft
     # the same sequence, grown by the tokens committed since: [1, 2] was seen, followed by 3, 77
-    draft = d.propose([1, 2, 3, 77, 1, 2], b)
+    draft = sized(d.propose([1, 2, 3, 77, 1, 2], b), b)
     assert draft.tokens[:2] == [3, 77] and draft.is_chain
+
+
+def test_the_scheduler_sizes_a_drafters_candidates():
+    """A drafter proposes candidates with their path chances; the sizing step keeps as many as
+    pay (at least n_min), multi takes all of them, and a Draft (a chain sized while drafted)
+    passes whole."""
+    from dataclasses import replace
+
+    from edgespec.draft import Draft
+    from edgespec.drafters.base import Candidates, every
+
+    d = NgramDrafter()
+    d.begin([1, 2, 3, 4, 5, 6, 7, 8])
+    steep = CostModel(KS, tuple(0.01 * k for k in KS), online=False)  # k rows cost k plain steps
+    b = Budget(16, 1, 1, steep, SamplingConfig())
+    cands = d.propose([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], b)
+    assert isinstance(cands, Candidates) and len(cands.path) == 8  # 4 .. 8, 1, 2, 3
+    assert sized(cands, b).tokens == []  # nothing pays on this curve
+    assert sized(cands, replace(b, n_min=2)).tokens == [4, 5]  # --spec-draft-n-min
+    assert sized(cands, replace(b, cost=flat())).tokens == [4, 5, 6, 7, 8, 1, 2, 3]
+    draft, path = every(cands)
+    assert draft.tokens == [4, 5, 6, 7, 8, 1, 2, 3] and list(path) == list(cands.path)
+    chain = Draft.chain([9, 9, 9])
+    assert sized(chain, b) is chain and every(chain) == (chain, [])
 
 
 def test_cost_model_sizes_drafts_by_cost():

@@ -184,7 +184,7 @@ def test_lookahead_probes_only_a_match_length_that_may_recover():
     fell below its prior and whose prior expects the token: never after a one-token match."""
     from conftest import GREEDY
     from edgespec.costmodel import KS, CostModel
-    from edgespec.drafters.base import Budget, Calibration
+    from edgespec.drafters.base import Budget, Calibration, sized
     from edgespec.drafters.lookahead import LookaheadDrafter
 
     steep = CostModel(KS, tuple(0.01 * k for k in KS), online=False)
@@ -194,7 +194,7 @@ def test_lookahead_probes_only_a_match_length_that_may_recover():
     def drafts(context, calib=None):
         d = LookaheadDrafter(window=8, calib=calib)
         d.begin(prompt)
-        return [len(d.propose(context, budget)) for _ in range(40)]
+        return [len(sized(d.propose(context, budget), budget)) for _ in range(40)]
 
     assert drafts(prompt + [40, 5]) == [0] * 40  # one matched token: the prior expects 20%
     assert drafts(prompt + [1, 2, 3, 4, 5]) == [0] * 40  # five, but nothing learned against them
@@ -263,7 +263,7 @@ def test_lookahead_prices_a_message_end_apart_and_learns_it_apart():
     not the match length's."""
     from conftest import GREEDY
     from edgespec.costmodel import KS, CostModel
-    from edgespec.drafters.base import Budget
+    from edgespec.drafters.base import Budget, sized
     from edgespec.drafters.lookahead import CLOSING, LookaheadDrafter
 
     cheap = CostModel(KS, tuple(0.01 * (1 + 0.3 * (k - 1)) for k in KS), online=False)
@@ -272,15 +272,15 @@ def test_lookahead_prices_a_message_end_apart_and_learns_it_apart():
     prompt = [1, 2, 3, 4, 5, 6, 99, 50, 1, 2, 3, 4, 5, 7, 8]
     d = LookaheadDrafter(window=8, is_stop=stop)
     d.begin(prompt)
-    mid = d.propose(prompt + [1, 2, 3, 4, 5], budget)  # 6 (the message's end) or 7: seen once each
+    mid = sized(d.propose(prompt + [1, 2, 3, 4, 5], budget), budget)  # 6 (the message's end) or 7: seen once each
     assert mid.tokens[:1] == [7] and 6 not in mid.tokens
     lone = LookaheadDrafter(window=8, is_stop=stop)
     lone.begin([1, 2, 3, 4, 5, 6, 99])
-    assert lone.propose([1, 2, 3, 4, 5, 6, 99, 30, 1, 2, 3, 4, 5], budget).tokens == []
+    assert sized(lone.propose([1, 2, 3, 4, 5, 6, 99, 30, 1, 2, 3, 4, 5], budget), budget).tokens == []
     # forced: the node is drafted and rejected; only the calibration of message ends learns it
     before = {s: c.factor(1) for s, c in lone.calib.items()}
     forced = Budget(max_nodes=8, max_branches=1, fixed_rows=1, cost=cheap, sampling=GREEDY, n_min=1)
-    draft = lone.propose([1, 2, 3, 4, 5, 6, 99, 30, 1, 2, 3, 4, 5], forced)
+    draft = sized(lone.propose([1, 2, 3, 4, 5, 6, 99, 30, 1, 2, 3, 4, 5], forced), forced)
     assert draft.tokens == [6] and lone._closing == [0]
     lone.accept(draft, [], [31])
     after = {s: c.factor(1) for s, c in lone.calib.items()}

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..draft import Draft
-from .base import Budget, Calibration, Drafter, NullDrafter
+from .base import Budget, Calibration, Candidates, Drafter, NullDrafter, sized
 from .chain import ChainDrafter, ChainGates
 
-__all__ = ["Budget", "Calibration", "ChainDrafter", "ChainGates", "Draft", "Drafter", "NullDrafter"]
+__all__ = ["Budget", "Calibration", "Candidates", "ChainDrafter", "ChainGates", "Draft", "Drafter", "NullDrafter",
+           "sized"]

@@ -1,9 +1,10 @@
-"""What every drafter shares: the interface, the per-step budget and confidence calibration."""
+"""What every drafter shares: the interface, the per-step budget, the sizing step, confidence calibration
+and the confidence-gated chain loop."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol, Union
 
 import numpy as np
 
@@ -15,7 +16,12 @@ from ..sampling import SamplingConfig
 @dataclass(frozen=True)
 class Budget:
     """What one step may spend: rows left in the batch/context, sequence ids for branches, and
-    the machine's verification cost curve to size the draft against."""
+    the machine's verification cost curve to size the draft against.
+
+    The scheduler sizes what a drafter proposes (`sized`); a drafter reads the budget to bound
+    its work: `max_nodes` and `max_branches`, and `gate` where it must decide while drafting
+    whether more would pay (whether to run a draft model at all, a chain's next token, a tree's
+    next depth)."""
 
     max_nodes: int
     max_branches: int
@@ -24,6 +30,9 @@ class Budget:
     sampling: SamplingConfig
     n_past: int = 0  # tokens already in the target's cache: every row attends to all of them
     n_min: int = 0  # --spec-draft-n-min: at least this many nodes whenever there are candidates
+    # False where the scheduler sizes several sequences' drafts together (multi): a drafter's
+    # gates then let everything within max_nodes through, and the scheduler weighs it all
+    gated: bool = True
 
     def size(self, path_probs: list[float], per_node: float = 0.0) -> int:
         """How many candidates (in order, each with the chance its path is accepted) pay; at
@@ -31,6 +40,47 @@ class Budget:
         does not pay)."""
         n = self.cost.best_size(path_probs, self.fixed_rows, per_node, n_past=self.n_past)
         return max(n, min(self.n_min, len(path_probs), self.max_nodes))
+
+    def gate(self, path_probs: list[float], per_node: float = 0.0) -> int:
+        """For a drafter deciding while it drafts: how many of these candidates would pay
+        (`size`), or all of them where the scheduler sizes several sequences together."""
+        return self.size(path_probs, per_node) if self.gated else len(path_probs)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What a drafter proposes for the scheduler to size: candidates in rank order (a parent
+    before its children, so that every prefix is a tree), `path[i]` the calibrated chance that
+    the path to candidate i is accepted, and `take(n)`, the first n laid out as a Draft.
+
+    `take(0)` may still return the best candidate now and then (a probe: a drafter whose
+    confidence fell below what pays learns again only from what it drafts)."""
+
+    path: list[float]
+    take: Callable[[int], Draft]
+    per_node: float = 0.0  # drafting seconds per candidate kept (EAGLE-3's tree), weighed by the sizing
+
+
+# A drafter proposes Candidates, or a Draft it sized itself while drafting: a chain whose length
+# is a stopping time (`TokenTimed.gated_chain`), which must not be cut afterwards (a sampled chain
+# cut by the confidences of its later tokens would filter tokens by their own draws).
+Proposal = Union[Draft, Candidates]
+
+
+def sized(proposal: Proposal, budget: Budget) -> Draft:
+    """The sizing step of one sequence (the sequential scheduler, and `auto`'s chain for each
+    member): as many candidates as pay on the cost curve, at least `budget.n_min`."""
+    if isinstance(proposal, Draft):
+        return proposal
+    return proposal.take(budget.size(proposal.path, proposal.per_node) if proposal.path else 0)
+
+
+def every(proposal: Proposal) -> tuple[Draft, list[float]]:
+    """Every candidate and the path chances of those that have them, for a scheduler that sizes
+    several sequences' drafts together (multi)."""
+    if isinstance(proposal, Draft):
+        return proposal, []
+    return proposal.take(len(proposal.path)), proposal.path
 
 
 # What a drafter reads from the target, declared once per drafter (`Drafter.reads`); the scheduler
@@ -60,8 +110,9 @@ class Drafter(Protocol):
         `hidden` their features (row i predicts the token after position pos+i) for FEATURES
         readers, else None."""
 
-    def propose(self, context: list[int], budget: Budget) -> Draft:
-        """Tokens that may follow `context` (all committed tokens). Empty: a plain step."""
+    def propose(self, context: list[int], budget: Budget) -> Proposal:
+        """Tokens that may follow `context` (all committed tokens), for the scheduler to size
+        (`sized`). Empty: a plain step."""
 
     def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
         """The target kept draft nodes `accepted` (a path) and committed `committed` tokens."""
@@ -111,7 +162,8 @@ def top_prob(logits: np.ndarray) -> float:
 
 class TokenTimed:
     """What drafters that draft token by token share: the time per draft token (an average the
-    cost model weighs against a target step) and the calibration of their confidence."""
+    cost model weighs against a target step), the calibration of their confidence, and the
+    confidence-gated chain loop."""
 
     t_token: float = 0.0
     calib: Calibration
@@ -122,6 +174,46 @@ class TokenTimed:
     def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
         if draft.tokens:
             self.calib.update(draft, accepted)
+
+    def gated_chain(self, budget: Budget, limit: int, n_min: int, p_min: float, top: Callable[[], float],
+                    draw: Callable[[], int | None], advance: Callable[[int, int], bool]
+                    ) -> tuple[list[int], list[float], list[float]]:
+        """Draft a chain token by token while one more token pays (the draft model, MTP and
+        EAGLE-3's chains): `top()` is the next token's confidence, known before it is drawn; its
+        calibrated value times the path's chance so far is the chance that the chain up to it is
+        accepted. The chain stops where one more token would not pay for its row and its
+        drafting (`Budget.gate`, at `t_token` a token), below `p_min`, or at `limit`, never
+        before `n_min` tokens. `draw()` gives the token (None: stop before it, an end of
+        generation); `advance(token, n)`, with n tokens drafted, readies the next position
+        (False: stop).
+
+        The length is a stopping time: decided from what is known before each token is drawn,
+        never from the drawn token's own probability. A sampled token kept or dropped by its own
+        probability would reach the verifier with another law than the draft's, and the
+        rejection rule would no longer give the target's distribution (toy: q = (0.9, 0.1),
+        p = (0.5, 0.5), "keep x if q[x] >= 0.5" commits 0.545 / 0.455); so the chain is sized
+        here, and the scheduler takes it whole. Returns (tokens, raw confidences, path chances)."""
+        tokens: list[int] = []
+        est: list[float] = []
+        path: list[float] = []
+        factor = self.calib.factor
+        while len(tokens) < limit:
+            t = top()
+            nxt = (path[-1] if path else 1.0) * min(1.0, t * factor(len(tokens) + 1))
+            if len(tokens) >= n_min:
+                if p_min > 0 and t < p_min:
+                    break
+                if budget.gate(path + [nxt], self.t_token) <= len(tokens):
+                    break  # one more token would not pay for its row and its drafting
+            x = draw()
+            if x is None:
+                break
+            tokens.append(x)
+            est.append(min(1.0, t))
+            path.append(nxt)
+            if len(tokens) < limit and not advance(x, len(tokens)):
+                break
+        return tokens, est, path
 
 
 class NullDrafter:

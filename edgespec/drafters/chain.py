@@ -29,7 +29,7 @@ from collections import deque
 
 from ..costmodel import CostModel, load_extra, store_extra
 from ..draft import Draft
-from .base import FEATURES, NEXTN_ROWS, NOTHING, Budget, Drafter
+from .base import FEATURES, NEXTN_ROWS, NOTHING, Budget, Drafter, sized
 
 
 class MemberGate:
@@ -155,7 +155,7 @@ class ChainDrafter:
             if i and not self.gates.gate(self.keys[i]).on():
                 continue
             t = time.perf_counter()
-            draft = d.propose(context, budget)
+            draft = sized(d.propose(context, budget), budget)  # sized as the scheduler would: did it draft?
             if i:
                 self._asked.append((i, time.perf_counter() - t))
             if draft.tokens:

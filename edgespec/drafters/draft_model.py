@@ -68,10 +68,10 @@ class DraftModelDrafter(TokenTimed):
             # Running the draft model costs even when its draft is then dropped. When even an
             # always-right draft would not pay for the draft model's time, never run it; skip
             # it while a draft as good as the recent ones would not pay, and probe now and then.
-            if budget.size([1.0] * limit, self.t_token) == 0:
+            if budget.gate([1.0] * limit, self.t_token) == 0:
                 return Draft()
             a = min(0.99, self.calib.factor(1) * self.mean_conf)
-            if budget.size([a ** i for i in range(1, limit + 1)], self.t_token) == 0:
+            if budget.gate([a ** i for i in range(1, limit + 1)], self.t_token) == 0:
                 self._skipped += 1
                 if self._skipped < self._probe_every:
                     return Draft()
@@ -84,46 +84,37 @@ class DraftModelDrafter(TokenTimed):
         row, n_new = self.kv.sync(context)
         if n_new <= 2:  # a catch-up of a token or two costs about one draft step
             self._time_token(time.perf_counter() - t0)
-        ctx = self.kv.ctx
-        sampling = budget.sampling
-        tokens: list[int] = []
+        ctx, sampling, stop = self.kv.ctx, budget.sampling, self.is_stop
+        logits = q = None
         probs: list[np.ndarray] = []
-        est: list[float] = []
-        path: list[float] = []
-        while len(tokens) < limit:
+
+        def top() -> float:
+            nonlocal logits, q
             logits = ctx.logits(row)
             q = None if sampling.greedy else warp(logits, sampling)
-            # Whether to draft this position is decided from what is known BEFORE its token is
-            # drawn: the top probability of the distribution, never the drawn token's own. A
-            # sampled token kept or dropped by its own probability would reach the verifier with
-            # another law than q, and the rejection rule would no longer give the target's
-            # distribution (toy: q = (0.9, 0.1), p = (0.5, 0.5), "keep x if q[x] >= 0.5" commits
-            # 0.545 / 0.455). The draft length is a stopping time; the tokens are never filtered.
-            top = top_prob(logits) if q is None else float(q.max())
-            self.mean_conf = 0.95 * self.mean_conf + 0.05 * top
-            cond = min(1.0, top * self.calib.factor(len(tokens) + 1))
-            nxt_path = (path[-1] if path else 1.0) * cond
-            if len(tokens) >= self.n_min:
-                if self.p_min > 0 and top < self.p_min:
-                    break
-                if budget.size(path + [nxt_path], self.t_token) <= len(tokens):
-                    break  # one more token would not pay for its row and its drafting
-            x = int(np.argmax(logits)) if q is None else sample(q, self.rng)
-            if q is None and self.is_stop is not None and self.is_stop(x):
+            t = top_prob(logits) if q is None else float(q.max())  # the distribution's, never the drawn token's
+            self.mean_conf = 0.95 * self.mean_conf + 0.05 * t
+            return t
+
+        def draw() -> int | None:
+            if q is None:
+                x = int(np.argmax(logits))
                 # greedy: the target ends here if the row before yields the end token, which it
                 # does as the step's own token; the end token's row would buy nothing
-                break
-            tokens.append(x)
-            if q is not None:
-                probs.append(q)
-            est.append(min(1.0, top))
-            path.append(nxt_path)
-            if self.is_stop is not None and self.is_stop(x):
-                break  # sampled: a stop after a drafted token, never a filter on it (exactness)
-            if len(tokens) < limit:
-                t0 = time.perf_counter()
-                row = self.kv.extend([x])
-                self._time_token(time.perf_counter() - t0)
+                return None if stop is not None and stop(x) else x
+            probs.append(q)
+            return sample(q, self.rng)
+
+        def advance(x: int, n: int) -> bool:
+            nonlocal row
+            if stop is not None and stop(x):
+                return False  # sampled: a stop after a drafted token, never a filter on it (exactness)
+            t0 = time.perf_counter()
+            row = self.kv.extend([x])
+            self._time_token(time.perf_counter() - t0)
+            return True
+
+        tokens, est, _ = self.gated_chain(budget, limit, self.n_min, self.p_min, top, draw, advance)
         if len(tokens) < max(1, self.n_min):
             return Draft()
         return Draft.chain(tokens, probs or None, self.name, est)

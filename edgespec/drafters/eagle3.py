@@ -20,7 +20,8 @@ first drops everything after the committed pairs (llama_memory_seq_rm).
 
 Trees (EAGLE-2 style): each depth decodes the `beam` likeliest frontier nodes in one batch, each
 in a sequence id of its own whose cells are the committed pairs plus its ancestors (a metadata
-copy in the unified cache); the whole tree is then reranked and cut by the cost curve. The
+copy in the unified cache); the whole tree is then reranked (`tree.select`), and the scheduler
+cuts it by the cost curve. The
 verifier walks the tree by sampling the target (`probs=None`), so any tree keeps sampling exact:
 the drafter only proposes.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +43,8 @@ from ..errors import EdgespecError, VocabMismatchError
 from ..heads.format import HeadsError
 from ..kv import SideKV, common_prefix
 from ..llama import DEFAULT_KV, Context, ContextConfig, Model, last_log_error
-from .base import LAYER_TAPS, Budget, Calibration, TokenTimed
-from .heads import _top, select
+from .base import LAYER_TAPS, Budget, Calibration, Proposal, TokenTimed
+from .tree import beam, select, softmax_top
 
 # GGUF architectures whose llama.cpp graph records layer inputs (`res->t_layer_inp[il]`, grep
 # `t_layer_inp\[` in src/models/ of llama.cpp 0.3.36): only these can feed an EAGLE-3 draft. On
@@ -273,17 +275,6 @@ class Eagle3Runtime:
             pass
 
 
-def _softmax_top(logits: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k likeliest target ids and their probabilities, softmax over the draft's finite
-    logits (the draft vocabulary) only."""
-    sub = logits[ids]
-    m = float(sub.max())
-    e = np.exp(sub - m)
-    z = float(e.sum())
-    top = _top(sub, k)
-    return ids[top], e[top] / z
-
-
 class Eagle3Drafter(TokenTimed):
     """Proposes a chain (or an EAGLE-2 tree) with llama.cpp's eagle3 graph; see the module doc."""
 
@@ -342,13 +333,13 @@ class Eagle3Drafter(TokenTimed):
             self._g = [kept]
         self._g.append(g)
 
-    def propose(self, context: list[int], budget: Budget) -> Draft:
+    def propose(self, context: list[int], budget: Budget) -> Proposal:
         rt = self.rt
         n_ctx = len(context)
         limit = min(self.n_max, budget.max_nodes, rt.ctx.n_ctx - n_ctx)
         if limit <= 0 or limit < self.n_min:
             return Draft()
-        if self.n_min == 0 and self.t_token > 0 and budget.size([1.0] * limit, self.t_token) == 0:
+        if self.n_min == 0 and self.t_token > 0 and budget.gate([1.0] * limit, self.t_token) == 0:
             return Draft()  # even a perfect draft would not pay for its drafting: catch up later
         if self._n_g() < n_ctx - 1:
             return Draft()  # no features for the last committed positions (not observed)
@@ -376,40 +367,36 @@ class Eagle3Drafter(TokenTimed):
         return draft
 
     def _chain(self, row: int, pos: int, limit: int, budget: Budget) -> Draft:
-        """Top-1 tokens one after the other; stop when one more would not pay (the length is a
-        stopping time decided from the draft's confidence, the tokens are never filtered)."""
-        rt = self.rt
-        tokens: list[int] = []
-        est: list[float] = []
-        path: list[float] = []
-        while len(tokens) < limit:
+        """Top-1 tokens one after the other while one more pays (`TokenTimed.gated_chain`)."""
+        rt, stop = self.rt, self.is_stop
+        x0 = 0
+
+        def top() -> float:
+            nonlocal x0
             logits = rt.logits(row)
-            ids, p = _softmax_top(logits, rt.draft_ids(logits), 1)
-            top = float(p[0])
-            cond = min(1.0, top * self.calib.factor(1))
-            nxt = (path[-1] if path else 1.0) * cond
-            if len(tokens) >= self.n_min:
-                if self.p_min > 0 and top < self.p_min:
-                    break
-                if budget.size(path + [nxt], self.t_token) <= len(tokens):
-                    break
-            x = int(ids[0])
-            if self.is_stop is not None and self.is_stop(x):
-                break  # an end token needs no row: the row before yields it where the target ends
-            tokens.append(x)
-            est.append(top)
-            path.append(nxt)
-            if len(tokens) < limit:
-                t0 = time.perf_counter()
-                if not rt.decode([(0, pos + len(tokens) - 1, x, rt.prenorm_addr(row))]):
-                    break
-                self._time_token(time.perf_counter() - t0)
-                row = 0
+            ids, p = softmax_top(logits, rt.draft_ids(logits), 1)
+            x0 = int(ids[0])
+            return float(p[0])
+
+        def draw() -> int | None:
+            # an end token needs no row: the row before yields it where the target ends
+            return None if stop is not None and stop(x0) else x0
+
+        def advance(x: int, n: int) -> bool:
+            nonlocal row
+            t0 = time.perf_counter()
+            if not rt.decode([(0, pos + n - 1, x, rt.prenorm_addr(row))]):
+                return False
+            self._time_token(time.perf_counter() - t0)
+            row = 0
+            return True
+
+        tokens, est, _ = self.gated_chain(budget, limit, self.n_min, self.p_min, top, draw, advance)
         if len(tokens) < max(1, self.n_min):
             return Draft()
         return Draft.chain(tokens, source=self.name, est=est)
 
-    def _tree(self, row: int, pos: int, limit: int, budget: Budget) -> Draft:
+    def _tree(self, row: int, pos: int, limit: int, budget: Budget) -> Proposal:
         """EAGLE-2's dynamic tree: expand the `beam` likeliest nodes of each depth in one batch
         (one sequence id per node: the committed pairs plus its ancestors), then rerank."""
         rt = self.rt
@@ -418,7 +405,7 @@ class Eagle3Drafter(TokenTimed):
         g_of: dict[int, np.ndarray] = {}  # node -> its parent's pre-norm output (its g)
         seq_of: dict[int, int] = {}  # expanded node -> its sequence id
         logits = rt.logits(row)
-        ids, p = _softmax_top(logits, rt.draft_ids(logits), k)
+        ids, p = softmax_top(logits, rt.draft_ids(logits), k)
         g_root = rt.prenorm(row)
         for t, q in zip(ids, p):
             c = min(1.0, float(q) * self.calib.factor(1))
@@ -431,9 +418,7 @@ class Eagle3Drafter(TokenTimed):
         depth = 1
         stop = self.is_stop
         while depth < limit:
-            if stop is not None:
-                frontier = [i for i in frontier if not stop(nodes[i][2])]
-            frontier = sorted(frontier, key=lambda i: -nodes[i][0])[: self.beam]
+            frontier = beam(nodes, frontier, self.beam, stop)
             if not frontier:
                 break
             if len(nodes) >= need:
@@ -441,7 +426,7 @@ class Eagle3Drafter(TokenTimed):
                 if best < self.p_stop:
                     break
                 ranked = sorted((n[0] for n in nodes), reverse=True)
-                n_keep = budget.size(ranked, self.t_token)
+                n_keep = budget.gate(ranked, self.t_token)
                 if n_keep == 0 or best < ranked[n_keep - 1]:
                     break  # children would rank below what the cost curve verifies anyway
             # each frontier node gets a fresh sequence: its parent's cells plus itself
@@ -465,7 +450,7 @@ class Eagle3Drafter(TokenTimed):
             new = []
             for r, i in enumerate(frontier):
                 logits = rt.logits(r)
-                ids, p = _softmax_top(logits, rt.draft_ids(logits), k)
+                ids, p = softmax_top(logits, rt.draft_ids(logits), k)
                 g_child = rt.prenorm(r)
                 for t, q in zip(ids, p):
                     c = min(1.0, float(q) * self.calib.factor(1))
@@ -474,10 +459,11 @@ class Eagle3Drafter(TokenTimed):
                     new.append(len(nodes) - 1)
             frontier = new
             depth += 1
-        draft = select(nodes, budget, self.name, self.t_token, is_stop=self.is_stop)
-        if len(draft) < self.n_min:
-            return Draft()
-        return draft
+        cands = select(nodes, budget, self.name, self.t_token, is_stop=self.is_stop)
+        if not self.n_min:
+            return cands
+        take = cands.take  # a tree smaller than --spec-draft-n-min is not drafted
+        return replace(cands, take=lambda n: d if len(d := take(n)) >= self.n_min else Draft())
 
     def end(self) -> None:
         pass

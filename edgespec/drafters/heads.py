@@ -2,8 +2,8 @@
 
 Both build a tree of candidates with the chance that each path is accepted (the product of the
 heads' probabilities along it, calibrated against what the target really accepted), keep the
-best nodes (a parent always ranks above its children, so any best-first prefix is a tree), and
-let the cost curve (or `--spec-draft-n-min`) decide how many to verify. The trees are the same
+best nodes (a parent always ranks above its children, so any best-first prefix is a tree:
+`tree.select`), and the scheduler sizes them on the cost curve (or `--spec-draft-n-min`). The trees are the same
 whatever the target will sample, so the verifier's tree walk keeps sampling exact.
 
 Medusa: head k of the feature that produced the pending token proposes the token k+1 places
@@ -15,7 +15,6 @@ the whole tree is reranked.
 
 from __future__ import annotations
 
-import heapq
 import time
 
 import numpy as np
@@ -23,61 +22,8 @@ import numpy as np
 from ..draft import Draft
 from ..heads.runtime import EagleHead, MedusaHeads
 from ..kv import common_prefix
-from .base import ALL_ROWS, LAST_ROW, Budget, Calibration
-
-
-def _top(p: np.ndarray, k: int) -> np.ndarray:
-    k = min(k, len(p))
-    idx = np.argpartition(-p, k - 1)[:k]
-    return idx[np.argsort(-p[idx])]
-
-
-def select(nodes: list[tuple[float, int, int, float]], budget: Budget, name: str, per_node: float = 0.0,
-           is_stop=None) -> Draft:
-    """`nodes`: (path probability, parent index or -1, token, conditional probability), parents
-    listed before children. Keep the most likely nodes within the budget's rows and branches.
-    A node whose token `is_stop` (an end of generation) is left out: where the target ends there,
-    the row of its parent yields the end token as the step's own, so its row would buy nothing."""
-    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], i))
-    kept: list[int] = []
-    index: dict[int, int] = {}
-    has_child: set[int] = set()
-    leaves = 0
-    for i in order:
-        if len(kept) >= budget.max_nodes:
-            break
-        parent = nodes[i][1]
-        if parent >= 0 and parent not in index:
-            continue  # its parent was cut: it cannot be verified
-        if is_stop is not None and is_stop(nodes[i][2]):
-            continue
-        new_leaf = parent < 0 or parent in has_child
-        if new_leaf and leaves >= budget.max_branches:
-            continue
-        leaves += new_leaf
-        if parent >= 0:
-            has_child.add(parent)
-        index[i] = len(kept)
-        kept.append(i)
-    size = budget.size([nodes[i][0] for i in kept], per_node)
-    kept = kept[:size]
-    if not kept:
-        return Draft()
-    # Lay the tree out in depth-first preorder, likelier children first: the KV cache keeps the
-    # accepted nodes of the first branch in place only when that branch's nodes come first.
-    keep = set(kept)
-    kids: dict[int, list[int]] = {}
-    for i in kept:
-        kids.setdefault(nodes[i][1] if nodes[i][1] in keep else -1, []).append(i)
-    order_out: list[int] = []
-    stack = list(reversed(kids.get(-1, [])))
-    while stack:
-        i = stack.pop()
-        order_out.append(i)
-        stack.extend(reversed(kids.get(i, [])))
-    pos = {i: n for n, i in enumerate(order_out)}
-    return Draft([nodes[i][2] for i in order_out], [pos.get(nodes[i][1], -1) for i in order_out], source=name,
-                 est=[nodes[i][3] for i in order_out])
+from .base import ALL_ROWS, LAST_ROW, Budget, Calibration, Candidates, Proposal
+from .tree import beam, best_first, select, top
 
 
 class _HeadsDrafter:
@@ -116,41 +62,20 @@ class MedusaDrafter(_HeadsDrafter):
     def observe(self, pos: int, rows: list[int], hidden: np.ndarray | None) -> None:
         self._last = hidden[-1]
 
-    def propose(self, context: list[int], budget: Budget) -> Draft:
+    def propose(self, context: list[int], budget: Budget) -> Proposal:
         if self._last is None or budget.max_nodes <= 0:
             return Draft()
         t0 = time.perf_counter()
         probs = self.heads.probs(self._last)  # [n_heads, K]
         choices = []
         for d in range(len(probs)):
-            top = _top(probs[d], self.top_k)
-            choices.append([(int(self.heads.vocab[d].ids[j]), self._cond(float(probs[d][j]))) for j in top])
-        nodes = _best_first(choices, min(self.max_nodes, budget.max_nodes * 2), self.is_stop)
-        draft = select(nodes, budget, self.name, is_stop=self.is_stop)
+            best = top(probs[d], self.top_k)
+            choices.append([(int(self.heads.vocab[d].ids[j]), self._cond(float(probs[d][j]))) for j in best])
+        nodes = best_first(choices, min(self.max_nodes, budget.max_nodes * 2), self.is_stop)
+        cands = select(nodes, budget, self.name, is_stop=self.is_stop)
         self.t_draft += time.perf_counter() - t0
         self.n_draft += 1
-        return draft
-
-
-def _best_first(choices: list[list[tuple[int, float]]], limit: int, is_stop=None) -> list[tuple[float, int, int, float]]:
-    """Paths through per-depth choice lists in decreasing product order (each node's parent comes
-    first): the sparse tree of Medusa, built from the heads' own probabilities. A node whose
-    token `is_stop` (an end of generation) gets no children."""
-    out: list[tuple[float, int, int, float]] = []
-    heap = [(-choices[0][0][1], (0,), -1)]  # (-path prob, choice indices, parent node index)
-    while heap and len(out) < limit:
-        negp, path, parent = heapq.heappop(heap)
-        d, j = len(path) - 1, path[-1]
-        tok, cond = choices[d][j]
-        me = len(out)
-        out.append((-negp, parent, tok, cond))
-        if j + 1 < len(choices[d]):  # the next sibling
-            sib = choices[d][j + 1][1]
-            parent_p = -negp / cond if cond > 0 else 0.0
-            heapq.heappush(heap, (-parent_p * sib, path[:-1] + (j + 1,), parent))
-        if d + 1 < len(choices) and not (is_stop is not None and is_stop(tok)):  # the best child
-            heapq.heappush(heap, (negp * choices[d + 1][0][1], path + (0,), me))
-    return out
+        return cands
 
 
 class EagleDrafter(_HeadsDrafter):
@@ -182,7 +107,7 @@ class EagleDrafter(_HeadsDrafter):
             self._pos0 = pos
         self._feats.append(hidden)
 
-    def propose(self, context: list[int], budget: Budget) -> Draft:
+    def propose(self, context: list[int], budget: Budget) -> Proposal:
         if not self._feats:
             return Draft()
         t0 = time.perf_counter()
@@ -205,12 +130,12 @@ class EagleDrafter(_HeadsDrafter):
         head.committed = context  # grown in place: the entries' tokens stay valid
         if budget.max_nodes <= 0:
             return Draft()
-        draft = self._tree(out[-1], pos0 + n, budget)
+        cands = self._tree(out[-1], pos0 + n, budget)
         self.t_draft += time.perf_counter() - t0
         self.n_draft += 1
-        return draft
+        return cands
 
-    def _tree(self, root_feat: np.ndarray, root_pos: int, budget: Budget) -> Draft:
+    def _tree(self, root_feat: np.ndarray, root_pos: int, budget: Budget) -> Candidates:
         """EAGLE-2's dynamic tree from the predicted feature after the last committed token."""
         head, vocab = self.head, self.head.vocab
         self._kv_order = []  # node index of each temporary k/v row
@@ -220,7 +145,7 @@ class EagleDrafter(_HeadsDrafter):
         vs: list[np.ndarray] = []
         anc: list[list[int]] = []  # each node's ancestors (node indices), itself excluded
         p = head.probs(root_feat[None])[0]
-        for j in _top(p, self.top_k):
+        for j in top(p, self.top_k):
             c = self._cond(float(p[j]))
             nodes.append((c, -1, int(vocab.ids[j]), c))
             anc.append([])
@@ -228,9 +153,7 @@ class EagleDrafter(_HeadsDrafter):
         need = max(budget.n_min, 1)
         stop = self.is_stop
         for depth in range(1, self.depth):
-            if stop is not None:  # an end of generation is a leaf: nothing after it could be kept
-                frontier = [i for i in frontier if not stop(nodes[i][2])]
-            frontier = sorted(frontier, key=lambda i: -nodes[i][0])[: self.beam]
+            frontier = beam(nodes, frontier, self.beam, stop)
             if not frontier or (nodes[frontier[0]][0] < self.p_stop and len(nodes) >= need):
                 break
             # run the head on the frontier: each row attends to the cache, its ancestors and itself
@@ -257,7 +180,7 @@ class EagleDrafter(_HeadsDrafter):
             probs = head.probs(out)
             new = []
             for r, i in enumerate(frontier):
-                for j in _top(probs[r], self.top_k):
+                for j in top(probs[r], self.top_k):
                     c = self._cond(float(probs[r][j]))
                     nodes.append((nodes[i][0] * c, i, int(vocab.ids[j]), c))
                     anc.append(anc[i] + [i])

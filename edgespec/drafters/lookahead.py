@@ -1,9 +1,9 @@
 """Draft-free Lookahead (Zhao et al., KDD 2024): multi-branch drafts from a token trie.
 
 The trie holds n-gram branches of the prompt and of everything generated; each step matches the
-longest suffix of the context and proposes a tree of the most frequent continuations, sized by
-the machine's verification cost curve. With `cache_path` the trie lives across runs: prompt
-branches are released when a request ends, output branches are saved.
+longest suffix of the context and proposes a tree of the most frequent continuations, which the
+scheduler sizes on the machine's verification cost curve. With `cache_path` the trie lives across
+runs: prompt branches are released when a request ends, output branches are saved.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..draft import Draft
 from ..trie import OUTPUT, PROMPT, Cursor, TokenTrie
-from .base import NOTHING, Budget, Calibration
+from .base import NOTHING, Budget, Calibration, Candidates, Proposal
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class LookaheadDrafter:
         if self._ends and CLOSING not in self.calib:
             self.calib[CLOSING] = Calibration(prior=CLOSING_PRIOR)
 
-    def propose(self, context: list[int], budget: Budget) -> Draft:
+    def propose(self, context: list[int], budget: Budget) -> Proposal:
         trie = self.trie
         trie.extend(context, OUTPUT, self._cursor)
         node, s = trie.match(context, self.max_match, self._cursor)
@@ -90,10 +90,15 @@ class LookaheadDrafter:
         # nodes each that likely would not pay, no tree from here will (most steps of free
         # text), and the expansion is skipped.
         cands = None
-        if budget.size([min(1.0, f1 * raw)] * limit) > 0:
+        if budget.gate([min(1.0, f1 * raw)] * limit) > 0:
             cands = trie.candidates(node, limit, min(self.max_branches, budget.max_branches), cal.factor,
                                     is_stop=self.is_stop, ends=ends, end_calib=end_cal)
-        size = budget.size([c.path for c in cands]) if cands else 0
+        return Candidates([c.path for c in cands] if cands else [],
+                          lambda size: self._take(cands, size, node, s, raw, end_cal))
+
+    def _take(self, cands, size: int, node, s: int, raw: float, end_cal) -> Draft:
+        """The first `size` candidates as a tree (see `_as_tree`)."""
+        cal = self.calib[s]
         if size == 0:
             # Not paying now. Probe with the best token now and then, so that a match length whose
             # factor fell below its prior can recover; only where the prior itself expects the
@@ -103,8 +108,8 @@ class LookaheadDrafter:
             if self._skipped < 16 or cal.factor(1) >= prior or min(1.0, prior * raw) < 0.5:
                 return Draft()
             # the best first token: already expanded unless the bound skipped the expansion
-            cands = cands or trie.candidates(node, 1, 1, cal.factor, is_stop=self.is_stop, ends=ends,
-                                             end_calib=end_cal)
+            cands = cands or self.trie.candidates(node, 1, 1, cal.factor, is_stop=self.is_stop, ends=self._ends,
+                                                  end_calib=end_cal)
             if not cands:
                 return Draft()
             size = 1

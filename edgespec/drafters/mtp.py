@@ -237,33 +237,30 @@ class MtpDrafter(TokenTimed):
             return Draft()
         if n_new <= 2:  # a catch-up of a row or two costs about one chained step
             self._time_token(time.perf_counter() - t0)
-        sampling = budget.sampling
-        tokens: list[int] = []
-        est: list[float] = []
-        path: list[float] = []
+        sampling, stop = budget.sampling, self.is_stop
         row = (n_new - 1) % m.ctx.n_batch  # the seed row's index in the last chunk decoded
+        logits = None
         chained = False
-        while len(tokens) < limit:
+
+        def top() -> float:
+            nonlocal logits
             logits = m.ctx.logits(row)
-            top = top_prob(logits) if sampling.greedy else float(warp(logits, sampling).max())
-            cond = min(1.0, top * self.calib.factor(len(tokens) + 1))
-            nxt_path = (path[-1] if path else 1.0) * cond
-            if len(tokens) >= budget.n_min:
-                if self.p_min > 0 and top < self.p_min:
-                    break
-                if budget.size(path + [nxt_path], self.t_token) <= len(tokens):
-                    break  # one more token would not pay for its row and its drafting
+            return top_prob(logits) if sampling.greedy else float(warp(logits, sampling).max())
+
+        def draw() -> int | None:
             x = int(np.argmax(logits))
-            if self.is_stop is not None and self.is_stop(x):
-                break  # an end token needs no row: the row before yields it where the target ends
-            tokens.append(x)
-            est.append(min(1.0, top))
-            path.append(nxt_path)
-            if len(tokens) < limit:
-                t1 = time.perf_counter()
-                m.decode([(x, n_seed + len(tokens), m.h_out(row))], out_last=True)
-                self._time_token(time.perf_counter() - t1)
-                row, chained = 0, True
+            # an end token needs no row: the row before yields it where the target ends
+            return None if stop is not None and stop(x) else x
+
+        def advance(x: int, n: int) -> bool:
+            nonlocal row, chained
+            t1 = time.perf_counter()
+            m.decode([(x, n_seed + n, m.h_out(row))], out_last=True)
+            self._time_token(time.perf_counter() - t1)
+            row, chained = 0, True
+            return True
+
+        tokens, est, _ = self.gated_chain(budget, limit, budget.n_min, self.p_min, top, draw, advance)
         if chained:
             m.kv.keep(len(context))  # chained rows carry the MTP's own h: never history
         self.t_draft += time.perf_counter() - t0

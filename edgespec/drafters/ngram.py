@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..draft import Draft
-from .base import NOTHING, Budget, Calibration
+from .base import NOTHING, Budget, Calibration, Candidates, Proposal
 
 
 class NgramIndex:
@@ -67,7 +67,7 @@ class NgramDrafter:
         self.index.reset()
         self.index.update(prompt)
 
-    def propose(self, context: list[int], budget: Budget) -> Draft:
+    def propose(self, context: list[int], budget: Budget) -> Proposal:
         k = min(self.max_len, budget.max_nodes)
         if k <= 0:
             return Draft()
@@ -79,8 +79,9 @@ class NgramDrafter:
             return Draft()
         cal = self.cond[n]
         cond = [min(1.0, cal.factor(d + 1)) for d in range(len(cont))]
-        path = list(np.cumprod(cond))
-        size = budget.size(path)
+        return Candidates(list(np.cumprod(cond)), lambda size: self._take(cont, n, size))
+
+    def _take(self, cont: list[int], n: int, size: int) -> Draft:
         if size == 0:
             # Not worth it now; still probe one token now and then so the estimate can recover.
             self._skipped = getattr(self, "_skipped", 0) + 1

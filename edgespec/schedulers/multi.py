@@ -34,7 +34,7 @@ import numpy as np
 from .. import methods
 from ..costmodel import CostModel, verify_rows
 from ..draft import Draft
-from ..drafters.base import Budget, NullDrafter
+from ..drafters.base import Budget, NullDrafter, every
 from ..errors import ContextFullError, EdgespecError
 from ..events import StepEvent
 from ..kv import KVSeq, decode_chains
@@ -58,18 +58,6 @@ class Job:
     sampling: SamplingConfig
     tag: Any = None
     share: str | None = ""  # jobs with the same share draft from one trie; None: a trie of its own
-
-
-@dataclass(frozen=True)
-class _Collect(Budget):
-    """A budget that lets the drafter return all it has and records each node's path chance;
-    the scheduler sizes all sequences' drafts together."""
-
-    paths: list = field(default_factory=list)
-
-    def size(self, path_probs: list[float], per_node: float = 0.0) -> int:
-        self.paths[:] = list(path_probs)
-        return len(path_probs)
 
 
 @dataclass
@@ -339,11 +327,13 @@ class MultiDecoder:
             t1 = time.perf_counter()
             d, p = Draft(), []
             if kmax > 0 and not isinstance(g.drafter, NullDrafter):
-                budget = _Collect(kmax, 1, 1, self.cost, g.job.sampling, g.kv.n)
-                d = g.drafter.propose(g.context, budget)
+                # every candidate, sized below with all sequences' together (`gated` off: the
+                # drafter's own cost gates let everything within kmax through)
+                budget = Budget(kmax, 1, 1, self.cost, g.job.sampling, g.kv.n, gated=False)
+                d, p = every(g.drafter.propose(g.context, budget))
                 if d.tokens and not d.is_chain:
                     raise EdgespecError("internal: batch drafts must be chains")
-                p = budget.paths[: len(d)] if len(budget.paths) >= len(d) else [0.5] * len(d)
+                p = p[: len(d)] if len(p) >= len(d) else [0.5] * len(d)
             drafts.append(d)
             paths.append(p)
             t_drafts.append(time.perf_counter() - t1)

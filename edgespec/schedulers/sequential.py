@@ -1,6 +1,7 @@
 """The speculative loop for one sequence, step by step (every method but PEARL runs through it).
 
-One step: the drafter proposes a tree -> the target scores pending tokens plus the tree in ONE
+One step: the drafter proposes candidates -> as many as pay on the cost curve are kept (the one
+sizing step, `drafters.base.sized`) -> the target scores pending tokens plus the tree in ONE
 llama_decode -> the verifier keeps the longest acceptable path plus one token of the target's
 own -> the KV cache keeps exactly the committed tokens -> a StepEvent goes out. Plain decoding
 (`--spec none`) is the same loop with empty drafts.
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..draft import Draft
-from ..drafters.base import ALL_ROWS, FEATURES, LAYER_TAPS, NEXTN_ROWS, NOTHING, Budget, Drafter, NullDrafter
+from ..drafters.base import ALL_ROWS, FEATURES, LAYER_TAPS, NEXTN_ROWS, NOTHING, Budget, Drafter, NullDrafter, sized
 from ..events import StepEvent
 from ..lifecycle import Lifecycle
 from ..verify import verify_step
@@ -77,7 +78,8 @@ class Generation(Lifecycle):
                     n_min=n_min,
                 )
                 t1 = time.perf_counter()
-                draft = propose(self.context, budget) if budget.max_nodes > 0 else Draft()
+                # the drafter's candidates, as many as pay on the cost curve (see drafters.base.sized)
+                draft = sized(propose(self.context, budget), budget) if budget.max_nodes > 0 else Draft()
                 t2 = time.perf_counter()
                 layout = kv.decode_tree(pending, draft)
                 cost.observe(len(pending) + len(draft), n_before, time.perf_counter() - t2)
