@@ -41,7 +41,7 @@ def _ggml():
     if _lib is None:
         import llama_cpp
 
-        from .llama import backend_init
+        from .llama_init import backend_init
 
         backend_init()  # ggml's messages go to llama.cpp's log callback, not the terminal
         folder = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")

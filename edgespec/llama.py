@@ -6,23 +6,19 @@ operations defined at the bottom of `Context`.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import os
 import re
-import sys
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import ContextFullError, EdgespecError, ModelError
 from .gguf_check import inspect
+from .llama_init import _LOG, backend_init  # noqa: F401 (backend_init re-exported)
 from .kvtypes import DEFAULT_KV, KV_TYPES, kv_paths_agree, kv_spec, kv_types  # noqa: F401 (re-exported)
 
 import llama_cpp as lc  # noqa: E402  (imports after our own modules on purpose: it prints nothing)
-
-_LOG: collections.deque[str] = collections.deque(maxlen=64)
 
 # llama_get_logits_ith returning the row's address as an int: the binding's own returns a float
 # pointer, which costs a cast to an address on every call (a step reads its logits right after a
@@ -30,27 +26,6 @@ _LOG: collections.deque[str] = collections.deque(maxlen=64)
 _logits_addr = lc.llama_cpp._lib["llama_get_logits_ith"]
 _logits_addr.argtypes = [ctypes.c_void_p, ctypes.c_int32]
 _logits_addr.restype = ctypes.c_void_p
-_init_lock = threading.Lock()
-_initialized = False
-
-
-@lc.llama_log_callback
-def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    # llama.cpp is chatty on stderr; keep its lines for error messages and show them on request.
-    line = text.decode("utf-8", "replace")
-    _LOG.append(line)
-    if os.environ.get("EDGESPEC_VERBOSE"):
-        sys.stderr.write(line)
-
-
-def backend_init() -> None:
-    global _initialized
-    with _init_lock:
-        if _initialized:
-            return
-        lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        lc.llama_backend_init()
-        _initialized = True
 
 
 # ggml types whose CPU matrix product takes other kernels for a batch than for one row (x86, this

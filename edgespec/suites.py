@@ -75,17 +75,21 @@ def _convert(name: str, rows: list[dict]) -> list[dict]:
     ]
 
 
+def read_text(path: str, what: str) -> str:
+    """A file's text, or one clear error naming `what` it was read as."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise EdgespecError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
 def load_suite(spec: str | None, categories: str | None = None, limit: int = 0) -> list[dict]:
     if spec is None:
         items = parse_jsonl(resources.files("edgespec").joinpath("data/suite.jsonl").read_text(encoding="utf-8"), "built-in suite")
     elif spec in EXTERNAL:
         items = _external(spec)
     else:
-        try:
-            text = Path(spec).read_text(encoding="utf-8")
-        except OSError as e:
-            raise EdgespecError(f"cannot read suite {spec}: {e.strerror}") from None
-        items = parse_jsonl(text, spec)
+        items = parse_jsonl(read_text(spec, "suite"), spec)
     if categories:
         keep = set(categories.split(","))
         items = [x for x in items if x["category"] in keep or any(x["category"].startswith(k) for k in keep)]

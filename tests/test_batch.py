@@ -252,6 +252,7 @@ def test_cli_every_line_gets_one_output_line(tmp_path, capsys):
     assert "input file not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_completes_without_duplicates(tmp_path):
     inp, out, ref = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
     topics = ["rivers", "mountains", "bread", "clocks", "owls", "bridges", "salt", "trains", "maps", "bees",
@@ -319,6 +320,7 @@ def test_sigterm_stops_keeping_finished_results(tmp_path):
     assert 1 <= len(recs) < 8 and all(r["error"] is None for r in recs)
 
 
+@pytest.mark.slow
 def test_parallel_equals_one_at_a_time_with_sliding_window_attention():
     """Gemma 3 (sliding-window layers) in per-sequence KV streams."""
     from edgespec.engine import Engine, EngineConfig

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from edgespec.costmodel import FAR, KS, MIN_EVIDENCE, CostModel
 from edgespec.models import cache_root
 
@@ -80,6 +82,7 @@ def _rate(cm: CostModel, p: float, n: int) -> float:
     return (1 + sum(p ** i for i in range(1, n + 1))) / cm.t(1 + n, 600)
 
 
+@pytest.mark.slow
 def test_a_poisoned_curve_heals_within_two_runs(tmp_path):
     """Each `edgespec run` a process of its own, as users run it. Run 1 measures the curve; it is
     then poisoned as a busy machine leaves it (every k >= 2 2.5x too dear, attention 10x). Run 2

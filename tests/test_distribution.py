@@ -23,6 +23,12 @@ from edgespec.engine import Engine, EngineConfig
 from edgespec.sampling import SamplingConfig, warp
 
 L = 3  # tokens per completion: the first comes from the prefill, the others from drafted steps
+# Sized by the power the test needs, and no smaller: the textbook bug (a drafted token kept with
+# its own probability p, the rejected case sampled from p again instead of the residual) moves a
+# 0.65/0.32/0.03 position to 0.88/0.11/0.01 (w^2 = 0.23). Over 3-9 pooled outcomes at ALPHA, 150
+# completions catch it with probability 0.79-0.95; 100 would catch it 0.42-0.72 of the time, 75
+# only 0.22-0.48 (scipy.stats.ncx2). Completions cost 70-240 ms each on 2 cores (the prompt read
+# dominates), so these tests are ~8 minutes of the suite's time by what they must show.
 N = 150  # completions per method and seeding
 ALPHA = 1e-4
 CFG = dict(temp=1.0, top_k=3, top_p=1.0, min_p=0.0)

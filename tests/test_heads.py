@@ -134,6 +134,7 @@ def drafter_for(eng, kind, path):
     return EagleDrafter(EagleHead(hf, tw, eng.n_ctx_seq))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_heads_greedy_identical_with_trees(smol, heads_files, kind):
     """Forced drafting (a cost curve on which it pays, at least 6 nodes a step): every prompt's
@@ -165,6 +166,7 @@ def test_heads_sampled_run_completes(smol, heads_files):
     assert runs[0] == runs[1] and len(runs[0]) > 0
 
 
+@pytest.mark.slow
 def test_engine_finds_and_refuses_heads(tmp_path, heads_files):
     eng = Engine(EngineConfig(model="smollm2-135m-instruct:q4_0", n_ctx=512, threads=2, heads=str(heads_files["medusa"])))
     try:

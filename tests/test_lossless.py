@@ -73,6 +73,7 @@ def test_draft_model_drafts_end_at_the_end_of_generation(smol_pair):
     assert all(d.tokens for d, _ in spy.log[:-1]) and not spy.log[-1][0].tokens
 
 
+@pytest.mark.slow
 def test_draft_model_forced_drafts_equal_plain():
     """--draft-min forces a draft every step: rollback of both caches on every rejection."""
     eng = Engine(EngineConfig(model="smollm2-135m-instruct:q8_0", draft="smollm2-135m-instruct:q4_0",
@@ -89,6 +90,7 @@ def test_draft_model_forced_drafts_equal_plain():
         eng.close()
 
 
+@pytest.mark.slow
 def test_gemma3_sliding_window_with_requantized_draft():
     # the requantized draft costs about what the target does, so force drafts with n_min
     eng = Engine(EngineConfig(model="gemma3-270m", draft="gemma3-270m:q4_0", n_ctx=1024, threads=2, draft_n_min=2))

@@ -17,6 +17,7 @@ def pair():
     eng.close()
 
 
+@pytest.mark.slow
 def test_pearl_greedy_equals_plain(pair):
     early = pre = post = accepted = 0
     for p in PROMPTS:

@@ -95,6 +95,7 @@ def test_every_turn_equals_plain_with_reuse(smol, plain_turns, method):
     _same_text(smol, method, plain_turns)
 
 
+@pytest.mark.slow
 def test_draft_model_and_pearl_turns_equal_plain(smol_pair):
     from edgespec.costmodel import flat
 

@@ -68,6 +68,7 @@ def _run(cache, *args, timeout=600):
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow
 @needs_rpc
 def test_target_split_over_two_rpc_servers_speculates_and_stays_exact(servers, cache):
     rpc = ",".join(f"127.0.0.1:{p}" for p in servers)

@@ -54,6 +54,7 @@ def test_data_is_the_targets_own_greedy_output_and_resumes(smol, dataset):
     assert len(again.tokens) == len(dataset.tokens)  # nothing collected twice
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
 def test_training_lowers_loss_and_beats_an_untrained_head(smol, dataset, taps_dataset, tmp_path, kind):
     tw = TargetWeights(smol.target.path, smol.target.n_vocab, 576)
@@ -110,6 +111,7 @@ def test_train_bad_input(capsys):
     assert "--curve takes fractions" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_eagle3_writes_llamacpps_file_whose_graph_is_the_trained_one(tmp_path):
     """`train eagle3` end to end: the EAGLE-3 checkpoint layout, llama.cpp's eagle3 GGUF, and
     llama.cpp's graph over it giving the logits of the JAX model that was trained (step 0 from

@@ -42,6 +42,7 @@ def _session(smol, n=48, method="lookahead"):
     return ChatSession(smol, method, SamplingConfig(), n)
 
 
+@pytest.mark.slow
 def test_conversation_reply_and_stats(smol, tmp_path):
     async def run():
         app = ChatApp(_session(smol), export_dir=tmp_path)

@@ -140,7 +140,7 @@ def _truncate(folder: Path, rows: int, n_embd: int) -> None:
 def training_prompts(spec: list[str] | None, exclude: set[str] = frozenset()) -> list[dict]:
     """Prompts from suites (`builtin`, `mtbench`, `humaneval`) or JSONL/text files; prompts whose
     text is in `exclude` (the evaluation prompts) are left out."""
-    from ..suites import load_suite
+    from ..suites import load_suite, read_text
 
     out: list[dict] = []
     for s in spec or ["mtbench", "humaneval", "builtin"]:
@@ -149,10 +149,7 @@ def training_prompts(spec: list[str] | None, exclude: set[str] = frozenset()) ->
         elif s in ("mtbench", "humaneval") or s.endswith(".jsonl"):
             items = load_suite(s)
         else:
-            try:
-                text = Path(s).read_text(encoding="utf-8")
-            except OSError as e:
-                raise EdgespecError(f"cannot read training data {s}: {e.strerror}") from None
+            text = read_text(s, "training data")
             items = [{"id": f"{Path(s).name}-{i}", "prompt": p.strip()}
                      for i, p in enumerate(text.split("\n\n")) if p.strip()]
         out.extend(items)
