@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from . import kernels
 from .costmodel import CostModel, guarantee, resolve_policy, verify_rows
 from .llama import batch_dependent, kv_paths_agree, use_exact_kernels
 
@@ -20,12 +21,13 @@ log = logging.getLogger(__name__)
 def exact_kernels(requested: str, asked: bool, n_gpu_layers: int, rpc: bool, path: str | os.PathLike) -> bool:
     """Whether the target is loaded with per-row kernels (`--exact-kernels`, asked for it): under
     strict exactness (asked, or auto's choice on a CPU), for a model all on this CPU whose weights
-    take batch-dependent kernels there (the repacked Q4_K GEMM from 4 rows and the tiled K-quant
-    kernel from 8 made Qwen2.5-Coder-1.5B Q4_K_M exact to only 3 rows). Asks the CPU backend for
-    them, so that verifying up to 32 rows stays bit-identical to plain decoding, at ~1.5x the plain
-    step."""
-    return (asked and requested != "batched" and n_gpu_layers == 0 and not rpc and batch_dependent(path)
-            and use_exact_kernels())
+    take batch-dependent kernels with llama.cpp's stock kernels (the repacked Q4_K GEMM from 4 rows
+    and the tiled K-quant kernel from 8 made Qwen2.5-Coder-1.5B Q4_K_M exact to only 3 rows). Asks
+    the CPU backend for them, so that verifying up to 32 rows stays bit-identical to plain decoding,
+    at ~1.5x the plain step. Where edgespec's batch-invariant kernels are loaded (kernels.py) they
+    already keep 32 rows exact at full speed, and the flag does nothing."""
+    return (asked and requested != "batched" and n_gpu_layers == 0 and not rpc and not kernels.batch_invariant()
+            and batch_dependent(path) and use_exact_kernels())
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,19 @@ class Exactness:
         """The most rows one verification decodes under the policy in force."""
         return verify_rows(self.cost, self.policy)
 
+    @property
+    def kernels(self) -> str:
+        """The CPU kernels the probe read: 'batch-invariant' (edgespec's patched ggml-cpu), 'per-row'
+        (stock, weights not repacked and the tiled kernel off: --exact-kernels) or 'stock'."""
+        if self.exact_kernels:
+            return "per-row"
+        return "batch-invariant" if kernels.batch_invariant() else "stock"
+
     def info(self) -> dict:
         """The probe's result and the policy in force, as stats, bench and the UI show them."""
         c, policy = self.cost, self.policy
         return {"policy": policy, "requested": self.requested, "backend": "gpu" if self.gpu else "cpu",
-                "kernels": "per-row" if self.exact_kernels else "default",
+                "kernels": self.kernels,
                 "max_exact_rows": c.max_exact_rows, "max_verify_rows": self.max_verify_rows,
                 "batch_logit_diff": c.batch_logit_diff, "guarantee": guarantee(policy, c)}
 

@@ -17,6 +17,7 @@ from .errors import ContextFullError, EdgespecError, ModelError
 from .gguf_check import inspect
 from .llama_init import _LOG, backend_init  # noqa: F401 (backend_init re-exported)
 from .kvtypes import DEFAULT_KV, KV_TYPES, kv_paths_agree, kv_spec, kv_types  # noqa: F401 (re-exported)
+from .quants import QUANT_TYPES
 
 import llama_cpp as lc  # noqa: E402  (imports after our own modules on purpose: it prints nothing)
 
@@ -51,9 +52,13 @@ def use_exact_kernels() -> bool:
 
 
 def kernel_tag(model: "Model") -> str:
-    """What sets the CPU kernels of this model apart, for the cost cache's key."""
+    """What sets the CPU kernels of this model apart, for the cost cache's key: which ggml-cpu is
+    loaded (edgespec's batch-invariant build or the stock one), repacking, the tiled kernel's switch."""
+    from . import kernels
+
     tiled = TILED_ENV in os.environ and model.info.types & BATCH_DEPENDENT_TYPES
-    return ("" if model.repack else "|norepack") + (f"|tiled{os.environ[TILED_ENV]}" if tiled else "")
+    return (kernels.tag() + ("" if model.repack else "|norepack")
+            + (f"|tiled{os.environ[TILED_ENV]}" if tiled else ""))
 
 
 def last_log_error() -> str:
@@ -461,9 +466,6 @@ class Context:
             self.close()
         except Exception:
             pass
-
-
-QUANT_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "f16": 1}
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, threads: int = 0) -> None:

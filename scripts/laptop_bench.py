@@ -1,13 +1,15 @@
 """The laptop-class model against llama.cpp's own tools, and the evidence for its exactness policy.
 
-For every prompt of the given suites, three `edgespec bench` runs, each in a process of its own
+For every prompt of the given suites, up to four `edgespec bench` runs, each in a process of its own
 and under a CPU lock when one is given (`--lock FILE`, so that other jobs on a shared machine
 wait between prompts rather than during one):
 
-  A  default settings: none, lookahead, auto (with the catalog's draft when it is cached), and
-     llama.cpp's llama-completion and llama-lookup as users run them (their own f16 KV cache);
-  B  `--exactness batched`: none, lookahead (how often batched verification changes the text);
-  C  `--exact-kernels`: none, lookahead (per-row K-quant kernels, exact to 32 rows).
+  A  default settings (edgespec's batch-invariant kernels where installed): none, lookahead, auto
+     (with the catalog's draft when it is cached), and llama.cpp's llama-completion and llama-lookup
+     as users run them (their own f16 KV cache);
+  N  the same without a draft model (`-md none`): none, auto (what a user without the 0.5B gets);
+  S  llama.cpp's stock kernels (EDGESPEC_KERNELS=stock): none, lookahead, auto (what the kernels gain);
+  B  `--exactness batched`: none, lookahead (how often batched verification changes the text).
 
 Each prompt's methods run side by side in one process (ratios, not absolute rates, are the
 result on a shared machine); the prompt is read once per run (`bench --reuse`). The table is
@@ -30,9 +32,11 @@ from pathlib import Path
 
 RUNS = {
     "A": ["--methods", "none,lookahead,auto"],
+    "N": ["--methods", "none,auto", "-md", "none"],
+    "S": ["--methods", "none,lookahead,auto"],
     "B": ["--methods", "none,lookahead", "--exactness", "batched"],
-    "C": ["--methods", "none,lookahead", "--exact-kernels", "-md", "none"],
 }
+ENV = {"S": {"EDGESPEC_KERNELS": "stock"}}
 
 
 def suite_items(spec: str) -> list[dict]:
@@ -71,7 +75,7 @@ def bench(args, item: dict, run: str, out: Path) -> dict | None:
     if args.lock:
         cmd = ["flock", args.lock, *cmd]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **ENV.get(run, {})})
     finally:
         os.unlink(f.name)
     if r.returncode != 0:
@@ -96,7 +100,7 @@ def main() -> int:
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--bin", default=None, help="llama.cpp's tools (shared/tools/build-llama-cpp-tools.sh)")
     ap.add_argument("--suite", action="append", default=None, help="FILE, humaneval[:N] or mtbench[:N]")
-    ap.add_argument("--runs", default="ABC")
+    ap.add_argument("--runs", default="ANSB")
     ap.add_argument("--lock", default=None, help="hold this flock file during each bench process")
     ap.add_argument("--out", default="bench-out/laptop")
     ap.add_argument("--table-only", action="store_true", help="run nothing: the table of the reports in --out")
@@ -121,9 +125,10 @@ def main() -> int:
 def table(rows: list[dict]) -> None:
     """Per category: tok/s ratios against llama-completion and against each run's own `none`."""
     cols = [("A:llama.cpp:completion", "llama-completion"), ("A:llama.cpp:lookup", "llama-lookup"),
-            ("A:none", "none"), ("A:lookahead", "lookahead"), ("A:auto", "auto (default)"),
-            ("B:lookahead", "lookahead, batched"), ("C:none", "none, exact kernels"),
-            ("C:lookahead", "lookahead, exact kernels")]
+            ("A:none", "none"), ("A:lookahead", "lookahead"), ("A:auto", "auto (default, 0.5B cached)"),
+            ("N:auto", "auto, no draft model"), ("S:none", "none, stock kernels"),
+            ("S:lookahead", "lookahead, stock kernels"), ("S:auto", "auto, stock kernels"),
+            ("B:lookahead", "lookahead, batched")]
     names = list(dict.fromkeys(group(r["category"]) for r in rows))
     groups = [(c, [r for r in rows if group(r["category"]) == c]) for c in names] + [("all", rows)]
     print("\n| tool | " + " | ".join(f"{c} ({len(g)})" for c, g in groups) + " |")
@@ -136,16 +141,19 @@ def table(rows: list[dict]) -> None:
             cells.append(f"{geomean(xs):.2f}x" if xs else "-")
         print(f"| {label} | " + " | ".join(cells) + " |")
     for key, base, label in (("A:lookahead", "A:none", "lookahead / none"), ("A:auto", "A:none", "auto / none"),
+                             ("A:auto", "A:lookahead", "auto / lookahead"),
+                             ("N:auto", "N:none", "auto without draft / its none"),
+                             ("S:lookahead", "S:none", "stock kernels: lookahead / none"),
+                             ("S:auto", "S:none", "stock kernels: auto / none"),
+                             ("A:none", "S:none", "none: patched / stock kernels"),
                              ("B:lookahead", "B:none", "batched lookahead / its none"),
-                             ("C:lookahead", "C:none", "exact-kernels lookahead / its none"),
-                             ("C:lookahead", "A:none", "exact-kernels lookahead / default none"),
                              ("A:llama.cpp:lookup", "A:none", "llama-lookup / none")):
         cells = []
         for _, g in groups:
             xs = [r[key][0] / r[base][0] for r in g if key in r and base in r]
             cells.append(f"{geomean(xs):.2f}x" if xs else "-")
         print(f"| {label} | " + " | ".join(cells) + " |")
-    for key in ("A:lookahead", "A:auto", "B:lookahead", "C:lookahead", "A:llama.cpp:lookup"):
+    for key in ("A:lookahead", "A:auto", "N:auto", "S:lookahead", "S:auto", "B:lookahead", "A:llama.cpp:lookup"):
         ms = [r[key][1] for r in rows if key in r]
         print(f"{key}: output = its plain on {sum(1 for m in ms if m)}/{len(ms)}")
 

@@ -239,11 +239,16 @@ print(json.dumps({**info, "same": same}))
 """
 
 
-def _kquant_engine(model, exactness, exact_kernels, cache):
+def _kquant_engine(model, exactness, exact_kernels, cache, stock=False):
     """The exactness info of an engine on `model` (a process of its own: llama.cpp reads its CPU
-    kernel switch once per process) and whether batches of n rows equal one-row decodes."""
-    r = subprocess.run([sys.executable, "-c", _KQUANT_CHILD, str(model), exactness, str(int(exact_kernels))], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "EDGESPEC_CACHE": str(cache)})
+    kernel switches once per process, and which ggml-cpu is loaded is decided at import) and
+    whether batches of n rows equal one-row decodes. `stock`: llama.cpp's own kernels
+    (EDGESPEC_KERNELS=stock), else the patched build where one is installed."""
+    env = {**os.environ, "EDGESPEC_CACHE": str(cache)}
+    if stock:
+        env["EDGESPEC_KERNELS"] = "stock"
+    r = subprocess.run([sys.executable, "-c", _KQUANT_CHILD, str(model), exactness, str(int(exact_kernels))],
+                       capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     d["same"] = {int(k): v for k, v in d["same"].items()}
@@ -260,18 +265,19 @@ def tiny_q4_k(tmp_path_factory):
 
 
 def test_kquant_probe_and_policy_agree(tiny_q4_k, tmp_path):
-    """A Q4_K_M model on this CPU: with --exact-kernels under strict exactness the engine takes the
-    per-row kernels and its probe reads at least 16 exact rows; with the default kernels the probe
-    reads the repacked GEMM's limit. Either way the probe is the truth (a batch of the probed size
-    equals one-row decodes, the next size does not) and strict verifies no more rows than it found."""
-    strict = _kquant_engine(tiny_q4_k, "auto", True, tmp_path)
+    """A Q4_K_M model on this CPU with llama.cpp's stock kernels: with --exact-kernels under strict
+    exactness the engine takes the per-row kernels and its probe reads at least 16 exact rows; with
+    the default kernels the probe reads the repacked GEMM's limit. Either way the probe is the truth
+    (a batch of the probed size equals one-row decodes, the next size does not) and strict verifies
+    no more rows than it found."""
+    strict = _kquant_engine(tiny_q4_k, "auto", True, tmp_path, stock=True)
     assert strict["policy"] == "strict" and strict["kernels"] == "per-row"
     assert strict["max_exact_rows"] >= 16 and strict["max_verify_rows"] == strict["max_exact_rows"]
     assert all(ok for n, ok in strict["same"].items() if n <= strict["max_exact_rows"])
 
     for requested, kernels in (("auto", False), ("batched", True)):  # batched keeps the default kernels
-        fast = _kquant_engine(tiny_q4_k, requested, kernels, tmp_path)
-        assert fast["kernels"] == "default"
+        fast = _kquant_engine(tiny_q4_k, requested, kernels, tmp_path, stock=True)
+        assert fast["kernels"] == "stock"
         cap = fast["max_exact_rows"]
         assert cap < 16  # the repacked Q4_K GEMM (4 rows and more) differs from its one-row GEMV
         assert all(ok for n, ok in fast["same"].items() if n <= cap)
@@ -280,3 +286,18 @@ def test_kquant_probe_and_policy_agree(tiny_q4_k, tmp_path):
             assert fast["policy"] == "strict" and fast["max_verify_rows"] == cap
         else:
             assert fast["policy"] == "batched" and fast["max_verify_rows"] > cap
+
+
+def test_kquant_batch_invariant_kernels(tiny_q4_k, tmp_path):
+    """With edgespec's patched ggml-cpu (edgespec/patches/, built at install) the same Q4_K_M model
+    keeps every batch of up to 32 rows bit-identical to one-row decodes with the fast default
+    kernels (weights repacked), so strict verifies 32 rows; --exact-kernels then changes nothing."""
+    from edgespec import kernels
+
+    if not kernels.batch_invariant():
+        pytest.skip(f"edgespec's batch-invariant kernels are not loaded here: {kernels.info()['why']}")
+    for exact in (False, True):
+        d = _kquant_engine(tiny_q4_k, "auto", exact, tmp_path)
+        assert d["kernels"] == "batch-invariant" and d["policy"] == "strict"
+        assert d["max_exact_rows"] == 32 and d["max_verify_rows"] == 32
+        assert all(d["same"].values()), d["same"]

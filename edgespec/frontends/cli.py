@@ -13,10 +13,12 @@ from dataclasses import replace
 from .. import __version__, methods
 from ..errors import EdgespecError
 from ..kvtypes import DEFAULT_KV, KV_TYPES, kv_spec, kv_types
+from ..quants import QUANT_TYPES
 from ..models import CHAT_MODEL
 from .options import (
     BatchOptions, BenchOptions, ChatOptions, ConvertOptions, DoctorOptions, DraftOptions, GrammarOptions, ModelOptions,
-    ModelsOptions, PullOptions, QuantizeOptions, RunOptions, SamplingOptions, ServeOptions, TrainOptions, options,
+    KernelsOptions, ModelsOptions, PullOptions, QuantizeOptions, RunOptions, SamplingOptions, ServeOptions, TrainOptions,
+    options,
 )
 
 EXIT_INTERRUPTED = 130
@@ -262,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "setup, replacing the cached ones (once the machine's load or hardware has changed)")
     _add_model_args(dr)
 
+    kr = sub.add_parser("kernels", help="which llama.cpp CPU kernels run: edgespec's batch-invariant build or the stock ones",
+                        description="Say which llama.cpp CPU kernels this install loads (edgespec's batch-invariant "
+                                    "build of ggml-cpu, made at install time, or llama-cpp-python's own) and why; "
+                                    "--build makes the build again into the cache (about a minute).")
+    kr.add_argument("--build", action="store_true", help="build the patched ggml-cpu now (into the cache folder)")
+    kr.add_argument("--json", action="store_true", help="print one JSON object")
+
     pl = sub.add_parser("pull", help="fetch a catalog model (or variant) into the cache")
     pl.add_argument("name", help="catalog name, optionally name:q4_0|q4_1|q8_0|f16")
 
@@ -270,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="requantize a GGUF with llama.cpp's quantize API")
     q.add_argument("src", help="source model (path or catalog name)")
     q.add_argument("dst", help="output .gguf path")
-    q.add_argument("type", choices=["q4_0", "q4_1", "q8_0", "f16"], help="target type")
+    q.add_argument("type", choices=list(QUANT_TYPES), help="target type")
 
     b = sub.add_parser("bench", help="measure methods side by side on a prompt suite")
     b.add_argument("--methods", default="none,ngram,lookahead", help="comma-separated methods; `none` is always run (default: %(default)s)")
@@ -652,6 +661,12 @@ def cmd_bench(a: BenchOptions) -> int:
     return run_bench(a, _engine_config(a.models, a.drafting, "auto", method_names(a.methods)))
 
 
+def cmd_kernels(a: KernelsOptions) -> int:
+    from .kernels_cmd import run_kernels
+
+    return run_kernels(a)
+
+
 def cmd_convert(a: ConvertOptions) -> int:
     from .heads_cmd import run_convert
 
@@ -694,7 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_help()
         return 2
     handlers = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "models": cmd_models, "quantize": cmd_quantize, "bench": cmd_bench,
-                "batch": cmd_batch, "serve": cmd_serve, "doctor": cmd_doctor, "convert": cmd_convert, "train": cmd_train}
+                "batch": cmd_batch, "serve": cmd_serve, "doctor": cmd_doctor, "convert": cmd_convert, "train": cmd_train,
+                "kernels": cmd_kernels}
     try:
         return handlers[a.cmd](options(a))
     except EdgespecError as e:

@@ -6,13 +6,14 @@ import json
 
 from .. import __version__
 from ..costmodel import QUIET_SHARE
+from .kernels_cmd import describe
 from .options import DoctorOptions
 
 
 def report(engine) -> dict:
     import llama_cpp
 
-    from .. import backend, methods
+    from .. import backend, kernels, methods
 
     m, cfg = engine.target, engine.cfg
     n_layer = m.n_layer
@@ -22,6 +23,7 @@ def report(engine) -> dict:
         "edgespec": __version__, "llama_cpp_python": llama_cpp.__version__,
         "gpu_offload_supported": backend.gpu_offload(), "rpc_supported": backend.rpc(),
         "devices": backend.devices(), "system_info": backend.system_info(),
+        "cpu_kernels": kernels.info(),
         "model": str(m.path), "layers": n_layer, "nextn_layers": m.n_layer_nextn,
         "offloaded_layers": offloaded if engine.on_gpu else 0, "threads": engine.ctx.n_threads,
         "kv_type": cfg.kv_type, "context": engine.n_ctx_seq,
@@ -54,6 +56,7 @@ def run_doctor(a: DoctorOptions, cfg) -> int:
     print(f"GPU offload: {'supported' if r['gpu_offload_supported'] else 'not in this build'}; "
           f"RPC: {'supported' if r['rpc_supported'] else 'not in this build'}")
     print(f"llama.cpp: {r['system_info']}")
+    print(f"CPU kernels: {describe(r['cpu_kernels'])}")
     print("devices:")
     for d in r["devices"]:
         print(f"  {d['name']:<10} {d['type']:<6} {d['description']}  (memory {_size(d['memory_free'])} free of "
@@ -74,8 +77,8 @@ def run_doctor(a: DoctorOptions, cfg) -> int:
           f"{on['ratio'][1]:.2f}x (many rows) the curve over {on['decodes'][0]} + {on['decodes'][1]} decodes"
           + (f"; to be measured again: {on['far_off']}" if on["far_off"] else ""))
     diff = ex["batch_logit_diff"]
-    kern = (" (K-quant kernels: per-row at every batch size, weights not repacked)"
-            if ex.get("kernels") == "per-row" else "")
+    kern = {"per-row": " (K-quant kernels: per-row at every batch size, weights not repacked)",
+            "batch-invariant": " (batch-invariant kernels)"}.get(ex.get("kernels"), " (stock kernels)")
     print(f"exactness probe{kern}: batches bit-identical to one-row decodes up to {ex['max_exact_rows']} rows; largest "
           f"|delta logit| at 2-32 rows: {'not measured' if diff is None else f'{diff:.3g}'}")
     print(f"policy: {ex['policy']} (--exactness {ex['requested']}), verifying up to {ex['max_verify_rows']} rows: "

@@ -163,6 +163,12 @@ class ModelsOptions:
 
 
 @dataclass(frozen=True)
+class KernelsOptions:
+    build: bool
+    json: bool
+
+
+@dataclass(frozen=True)
 class QuantizeOptions:
     src: str
     dst: str
@@ -232,5 +238,6 @@ def options(ns: argparse.Namespace):
         return _take(DoctorOptions, ns, models=_take(ModelOptions, ns), drafting=DraftOptions())
     if cmd == "train":
         return _take(TrainOptions, ns, data=None if ns.data is None else tuple(ns.data))
-    kinds = {"pull": PullOptions, "models": ModelsOptions, "quantize": QuantizeOptions, "convert": ConvertOptions}
+    kinds = {"pull": PullOptions, "models": ModelsOptions, "quantize": QuantizeOptions, "convert": ConvertOptions,
+             "kernels": KernelsOptions}
     return _take(kinds[cmd], ns)

@@ -47,9 +47,12 @@ class ChatSession:
 
     @property
     def exactness(self) -> str:
-        """The exactness policy in force, short: "strict ≤32 rows" (see `edgespec doctor`)."""
+        """The exactness policy in force and, on a CPU, the kernels behind it, short: "strict ≤32 rows
+        (patched)" (edgespec's batch-invariant kernels; "stock": llama.cpp's; see `edgespec doctor`)."""
         ex = self.engine.exactness_info()
-        return f"{ex['policy']} ≤{ex['max_verify_rows']} rows"
+        kern = {"batch-invariant": "patched", "per-row": "per-row", "stock": "stock"}.get(ex.get("kernels"), "")
+        tail = f" ({kern})" if kern and ex.get("backend") == "cpu" else ""
+        return f"{ex['policy']} ≤{ex['max_verify_rows']} rows{tail}"
 
     def piece(self, token: int) -> str:
         return self.engine.target.detokenize([token])

@@ -1,0 +1,150 @@
+"""Which llama.cpp CPU kernels this process runs: edgespec's batch-invariant build of `ggml-cpu`
+(kernel_build, made at install time), loaded in place of llama-cpp-python's own, or the stock ones.
+
+The swap works through the dynamic loader: llama-cpp-python's libllama needs `libggml-cpu.so.0` by
+its soname, and a library already loaded under that soname is the one it gets. So `preload` (run
+when edgespec is imported, before anything imports llama_cpp) loads llama-cpp-python's own
+`libggml-base.so.0` and then the patched `libggml-cpu.so.0` into the process. Nothing else changes:
+the same llama.cpp, the same flags, two summation orders moved (edgespec/patches/).
+
+Where the build is missing, stale or cannot load (a user's own CUDA/Metal wheel, a failed build,
+macOS, `EDGESPEC_KERNELS=stock`), llama-cpp-python's kernels run, and `info()` says why; the
+exactness probe reads what the loaded kernels keep exact either way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import kernel_build
+
+ENV = "EDGESPEC_KERNELS"  # "stock": llama-cpp-python's own; a folder: the build there; unset: the installed build
+PACKAGE_DIR = Path(__file__).resolve().parent / "_kernels"  # where setup.py builds it
+# The tiled K-quant kernel (Q5_K, Q6_K, IQ4_XS ... weights that are not repacked) sums in another
+# order than the per-row dot product one row takes. Patch 0002 makes its row floor settable; above
+# the exactness probe's largest batch (32 rows), every verification a strict policy allows takes the
+# per-row kernel, and prompts (hundreds of rows) keep the tiled one.
+TILED_MIN_ROWS_ENV = "GGML_CPU_TILED_MM_MIN_ROWS"
+TILED_MIN_ROWS = 33
+
+_state: dict = {"kernels": "stock", "why": "not loaded yet"}
+
+
+def cache_dir() -> Path:
+    """Where `edgespec kernels --build` puts a build (the user cache folder)."""
+    from .models import cache_root
+
+    return cache_root() / "kernels"
+
+
+def _llama_lib_dir() -> Path | None:
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "lib"
+
+
+def _manifest(folder: Path) -> dict | None:
+    try:
+        m = json.loads((folder / kernel_build.MANIFEST).read_text())
+        return m if isinstance(m, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def candidates() -> list[Path]:
+    env = os.environ.get(ENV, "")
+    if env and env != "stock":
+        return [Path(env).expanduser()]
+    return [PACKAGE_DIR, cache_dir()]
+
+
+def _usable(folder: Path, lib_dir: Path) -> str:
+    """Why the build in `folder` cannot replace llama-cpp-python's kernels ('' if it can)."""
+    m = _manifest(folder)
+    if m is None or not (folder / kernel_build.LIB).is_file():
+        return f"no build in {folder}"
+    if m.get("error"):
+        return f"the build failed ({m['error']}); `edgespec kernels --build` tries again"
+    if m.get("patches") != kernel_build.patch_digest():
+        return "the build was made from other patches; `edgespec kernels --build` makes it again"
+    try:
+        installed = importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        installed = "?"
+    if installed != m.get("llama_cpp_python"):
+        return (f"built for llama-cpp-python {m.get('llama_cpp_python')}, {installed} is installed; "
+                "`edgespec kernels --build` makes it again")
+    if not (lib_dir / kernel_build.LIB).is_file():
+        return "llama-cpp-python's build has no linked libggml-cpu.so.0 (GGML_BACKEND_DL or another platform)"
+    if not (lib_dir / f"libggml-base.so.{m.get('ggml')}").is_file():
+        return f"llama-cpp-python's ggml is not {m.get('ggml')}"
+    return ""
+
+
+def preload() -> dict:
+    """Load the patched kernels in place of llama-cpp-python's own, once, before llama_cpp is
+    imported; returns `info()`."""
+    global _state
+    if _state.get("why") != "not loaded yet":
+        return _state
+    why = kernel_build.unsupported()
+    if os.environ.get(ENV) == "stock":
+        why = f"{ENV}=stock"
+    elif not why and "llama_cpp" in sys.modules:
+        why = "llama_cpp was imported before edgespec: its own kernels are loaded"
+    lib_dir = _llama_lib_dir()
+    if not why and lib_dir is None:
+        why = "llama-cpp-python is not installed"
+    if not why:
+        reasons = []
+        for folder in candidates():
+            r = _usable(folder, lib_dir)
+            if not r:
+                try:
+                    ctypes.CDLL(str(lib_dir / "libggml-base.so.0"), mode=ctypes.RTLD_GLOBAL)
+                    ctypes.CDLL(str(folder / kernel_build.LIB), mode=ctypes.RTLD_GLOBAL)
+                except OSError as e:
+                    reasons.append(f"{folder / kernel_build.LIB} does not load: {e}")
+                    continue
+                os.environ.setdefault(TILED_MIN_ROWS_ENV, str(TILED_MIN_ROWS))
+                _state = {"kernels": "batch-invariant", "path": str(folder / kernel_build.LIB),
+                          "patches": kernel_build.patch_digest(), "why": ""}
+                return _state
+            reasons.append(r)
+        # the first candidate's reason is the one that matters (the installed build, or the asked folder)
+        why = reasons[0] if reasons else "no build"
+    _state = {"kernels": "stock", "why": why}
+    return _state
+
+
+def info() -> dict:
+    """Which kernels run: `kernels` ('batch-invariant' or 'stock'), `why` stock, the build's path.
+    Once llama.cpp is loaded, what the process maps is checked too (Linux)."""
+    s = dict(_state)
+    if s["kernels"] == "batch-invariant" and "llama_cpp" in sys.modules:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return s
+        mapped = {line.split()[-1] for line in maps.splitlines() if "libggml-cpu" in line}
+        if any(Path(p).parent != Path(s["path"]).parent for p in mapped):
+            s = {"kernels": "stock", "why": f"llama.cpp loaded its own ggml-cpu as well ({', '.join(sorted(mapped))})"}
+    return s
+
+
+def batch_invariant() -> bool:
+    return info()["kernels"] == "batch-invariant"
+
+
+def tag() -> str:
+    """What sets these kernels apart, for the cost cache's key: a probe read with one set of
+    kernels says nothing about another."""
+    s = info()
+    return f"|bi{s['patches']}" if s["kernels"] == "batch-invariant" else ""

@@ -1,0 +1,135 @@
+"""edgespec's batch-invariant CPU kernels (edgespec/patches/, kernel_build.py, kernels.py): a batch of
+any size up to 32 rows gives each row the bits of a one-row decode on K-quant weights, the build and
+the loader refuse what does not fit, and which kernels run is reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edgespec import kernel_build, kernels
+
+# Every row count from 1 to 32 against one-row decodes of the same tokens after a 40-token prefix,
+# on the tiny Q4_K_M model's random weights (tests/synthetic_kquant.py): Q4_K repacked (the GEMV for
+# 1-3 rows, the 4-row and 16-row GEMMs above) and Q6_K through the per-row kernel or the tiled one.
+_ROWS_CHILD = r"""
+import json, sys
+import numpy as np
+from edgespec import kernels
+from edgespec.kv import KVSeq
+from edgespec.llama import Context, ContextConfig, Model
+
+m = Model(sys.argv[1])
+ctx = Context(m, ContextConfig(512, 512, 2, 1, "q8_0/f16"))
+kv = KVSeq(ctx)
+rng = np.random.default_rng(7)
+prefix = [int(x) for x in rng.integers(1, 255, 40)]
+toks = [int(x) for x in rng.integers(1, 255, 32)]
+kv.extend(prefix, want_logits=False)
+one = [ctx.logits(kv.extend([t])).copy() for t in toks]
+diff = {}
+for n in range(1, 33):
+    kv.truncate(len(prefix))
+    kv.extend(toks[:n], all_rows=True)
+    diff[n] = max(float(np.max(np.abs(ctx.logits(i) - one[i]))) for i in range(n))
+print(json.dumps({"kernels": kernels.info()["kernels"], "diff": diff}))
+"""
+
+
+def _rows(model, stock: bool) -> dict:
+    env = {**os.environ}
+    if stock:
+        env["EDGESPEC_KERNELS"] = "stock"
+    r = subprocess.run([sys.executable, "-c", _ROWS_CHILD, str(model)], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    d["diff"] = {int(k): v for k, v in d["diff"].items()}
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_k(tmp_path_factory):
+    from synthetic_kquant import tensor_types, write_q4_k_m
+
+    p = write_q4_k_m(tmp_path_factory.mktemp("kernels") / "tiny-q4_k_m.gguf")
+    assert {"Q4_K", "Q6_K"} <= set(tensor_types(p).values())
+    return p
+
+
+def test_the_installed_build_is_loaded():
+    """CI (and anyone who sets EDGESPEC_REQUIRE_KERNELS=1) installs with the build: it must load."""
+    info = kernels.info()
+    if os.environ.get("EDGESPEC_REQUIRE_KERNELS") != "1" and info["kernels"] != "batch-invariant":
+        pytest.skip(f"the batch-invariant kernels are not loaded here: {info['why']}")
+    assert info["kernels"] == "batch-invariant", info
+    assert info["patches"] == kernel_build.patch_digest()
+
+
+def test_every_row_count_is_bit_identical_to_one_row(tiny_q4_k):
+    """Patched: batches of 1 to 32 rows equal one-row decodes to the bit. Stock (the same process
+    setup with EDGESPEC_KERNELS=stock): they do not from 4 rows (the repacked Q4_K GEMM), which is
+    what the patch changes."""
+    if not kernels.batch_invariant():
+        pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")
+    patched = _rows(tiny_q4_k, stock=False)
+    assert patched["kernels"] == "batch-invariant"
+    assert all(d == 0.0 for d in patched["diff"].values()), patched["diff"]
+    stock = _rows(tiny_q4_k, stock=True)
+    assert stock["kernels"] == "stock"
+    assert all(stock["diff"][n] == 0.0 for n in (1, 2, 3))
+    assert any(stock["diff"][n] > 0.0 for n in range(4, 33)), stock["diff"]
+
+
+def test_stock_is_reported_with_its_reason():
+    r = subprocess.run([sys.executable, "-m", "edgespec.frontends.cli", "kernels", "--json"], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "EDGESPEC_KERNELS": "stock"})
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["kernels"] == "stock" and d["why"] == "EDGESPEC_KERNELS=stock"
+    assert d["patches"] == [p.name for p in kernel_build.patches()]
+
+
+def test_a_build_that_does_not_fit_is_not_loaded(tmp_path, monkeypatch):
+    """The loader's checks, on manifests laid out by hand: a failed build, other patches, another
+    llama-cpp-python, a missing library; each says why in one line."""
+    lib_dir = kernels._llama_lib_dir()
+    assert lib_dir is not None
+    (tmp_path / kernel_build.LIB).write_bytes(b"\x7fELF")
+    good = {"llama_cpp_python": kernel_build.LLAMA_CPP_PYTHON, "ggml": "0.25.3", "patches": kernel_build.patch_digest()}
+
+    def why(**change) -> str:
+        (tmp_path / kernel_build.MANIFEST).write_text(json.dumps({**good, **change}))
+        return kernels._usable(tmp_path, lib_dir)
+
+    assert why() == ""
+    assert "failed" in why(error="cmake configure failed (exit 1)")
+    assert "other patches" in why(patches="0" * 16)
+    assert "built for llama-cpp-python 0.0.1" in why(llama_cpp_python="0.0.1")
+    assert "ggml is not 9.9.9" in why(ggml="9.9.9")
+    (tmp_path / kernel_build.LIB).unlink()
+    assert "no build" in why()
+
+
+def test_cmake_args_follow_llama_cpp_pythons_build():
+    """The user's CMAKE_ARGS (as llama-cpp-python took them) come through; other backends are off
+    here (llama-cpp-python builds them); dynamically loaded CPU variants are refused."""
+    args = kernel_build.cmake_args({"CMAKE_ARGS": "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_CUDA=on"})
+    assert "-DGGML_NATIVE=OFF" in args and "-DGGML_AVX2=ON" in args
+    assert args.index("-DGGML_CUDA=OFF") > args.index("-DGGML_CUDA=on")  # the later one wins in CMake
+    assert "-DCMAKE_BUILD_TYPE=Release" in args and "-DBUILD_SHARED_LIBS=ON" in args
+    with pytest.raises(kernel_build.BuildError, match="GGML_BACKEND_DL"):
+        kernel_build.cmake_args({"CMAKE_ARGS": "-DGGML_BACKEND_DL=ON"})
+
+
+def test_the_patches_say_why():
+    """Each patch carries its reason and the commit it is made against, as ollama's do."""
+    ps = kernel_build.patches()
+    assert [p.name[:4] for p in ps] == ["0001", "0002"]
+    for p in ps:
+        head = p.read_text().split("\n---\n", 1)[0]
+        assert "Subject: [PATCH]" in head and "0c1e57098" in head and len(head.splitlines()) > 8
