@@ -123,13 +123,15 @@ def home(tmp_path_factory):
     (offline; edgespec's own cache has no models, so nothing comes from the catalog)."""
     smol = resolve("smollm2-135m-instruct", quiet=True)
     smol_q8 = resolve("smollm2-135m-instruct:q8_0", quiet=True)
+    smol_q4 = resolve("smollm2-135m-instruct:q4_0", quiet=True)  # the suite's model: its cost curve is measured
     qwen15, qwen05 = (resolve(n, fetch=False, quiet=True) if _cached(n) else None
                       for n in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"))
     base = tmp_path_factory.mktemp("stores")
     h = base / "home"
     hubd = h / ".cache" / "huggingface" / "hub"
     tiny = write_tiny_draft(base / "tiny-f16.gguf", smol)
-    hf_layout(hubd, SMOL_REPO, {"smollm2-135m-instruct-q4_1.gguf": smol, "smollm2-135m-instruct-q8_0.gguf": smol_q8})
+    hf_layout(hubd, SMOL_REPO, {"smollm2-135m-instruct-q4_1.gguf": smol, "smollm2-135m-instruct-q8_0.gguf": smol_q8,
+                                "smollm2-135m-instruct-q4_0.gguf": smol_q4})
     hf_layout(hubd, TINY_REPO, {"tiny-F16.gguf": tiny}, commit="1" * 40)
     if qwen15 and qwen05:
         hf_layout(hubd, Q15, {CATALOG["qwen2.5-coder-1.5b-instruct"].filename: qwen15}, commit="2" * 40)
@@ -209,7 +211,7 @@ def test_hf_cache_order_and_llamacpp_flat_files(in_home, tmp_path, monkeypatch):
 def test_missing_quant_and_broken_stores_are_one_line(in_home):
     h = in_home
     r = es(h, "run", "-m", f"{SMOL_REPO}:Q5_K_M", "-p", "hi", "-n", "2")
-    one_line_error(r, "Q5_K_M", "Q4_1, Q8_0", "HF_HUB_OFFLINE")
+    one_line_error(r, "Q5_K_M", "Q4_0, Q4_1, Q8_0", "HF_HUB_OFFLINE")
     one_line_error(es(h, "run", "-m", "ollama:broken", "-p", "hi"), "ollama:broken:latest", "blobs/sha256-",
                    "not there")
     one_line_error(es(h, "run", "-m", "ollama:corrupt", "-p", "hi"), "not a GGUF")
@@ -364,7 +366,7 @@ def _run(home, model, spec, n=24, *flags):
 def test_draft_paired_by_vocabulary_is_lossless(home):
     """A target known only by its Hugging Face name drafts with the tiny model found beside it,
     and says so; its output is plain decoding's."""
-    target = f"{SMOL_REPO}:Q4_1"
+    target = f"{SMOL_REPO}:Q4_0"
     # at least 2 tokens per step drafted: the random draft is rejected, and the output stays the same
     plain, drafted = _run(home, target, "none"), _run(home, target, "draft", 24, "--spec-draft-n-min", "2")
     st = drafted["stats"]
