@@ -12,6 +12,7 @@ from dataclasses import dataclass
 class EngineConfig:
     model: str
     draft: str | None = None
+    draft_why: str = ""  # how the draft model was chosen: "-md", "catalog pair" or "same vocabulary"
     n_ctx: int = 4096
     n_batch: int = 512
     threads: int = 0

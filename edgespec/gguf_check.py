@@ -58,6 +58,7 @@ def _ggml():
             ("gguf_get_arr_n", sz, [p, i64]), ("gguf_get_arr_str", c, [p, i64, sz]),
             ("gguf_get_val_str", c, [p, i64]), ("gguf_find_tensor", i64, [p, c]),
             ("gguf_get_tensor_type", ctypes.c_int, [p, i64]),
+            ("ggml_type_size", sz, [ctypes.c_int]), ("ggml_blck_size", i64, [ctypes.c_int]),
         ]:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
@@ -73,6 +74,7 @@ class GGUFInfo:
     n_tokens: int  # vocabulary size (0: the file has none)
     _tokens: list = field(default_factory=list, compare=False, repr=False)
     types: frozenset = frozenset()  # the ggml types of its tensors (GGML_TYPE_* numbers)
+    n_params: int = 0  # weights in its tensors (this file's, for a split GGUF's first part)
 
     @property
     def tokens(self) -> tuple[bytes, ...]:
@@ -148,7 +150,10 @@ def _read(p: Path, size: int) -> GGUFInfo:
         base = lib.gguf_get_data_offset(ctx)
         n = lib.gguf_get_n_tensors(ctx)
         types = frozenset(lib.gguf_get_tensor_type(ctx, t) for t in range(n))
+        n_params = 0
         for t in range(n):
+            ty = lib.gguf_get_tensor_type(ctx, t)
+            n_params += lib.gguf_get_tensor_size(ctx, t) * lib.ggml_blck_size(ty) // max(1, lib.ggml_type_size(ty))
             end = base + lib.gguf_get_tensor_offset(ctx, t) + lib.gguf_get_tensor_size(ctx, t)
             if end > size:
                 name = lib.gguf_get_tensor_name(ctx, t).decode("utf-8", "replace")
@@ -158,7 +163,7 @@ def _read(p: Path, size: int) -> GGUFInfo:
         arch = lib.gguf_get_val_str(ctx, k).decode("utf-8", "replace") if k >= 0 else "?"
         k = lib.gguf_find_key(ctx, TOKENS_KEY.encode())
         n_tokens = lib.gguf_get_arr_n(ctx, k) if k >= 0 else 0
-        return GGUFInfo(p, arch, n, n_tokens, types=types)
+        return GGUFInfo(p, arch, n, n_tokens, types=types, n_params=n_params)
     finally:
         lib.gguf_free(ctx)
 

