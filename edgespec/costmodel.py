@@ -176,11 +176,13 @@ class CostModel:
         return ""
 
     def best_size(self, probs: list[float], fixed_rows: int = 1, per_node: float = 0.0, margin: float = 0.02,
-                  n_past: int = 0) -> int:
+                  n_past: int = 0, fixed: float = 0.0) -> int:
         """How many of the candidate nodes (in the given order) to verify.
 
         `probs[i]` is the chance that node i's path is accepted; `per_node` the drafting time per
-        node. Returns 0 when no size beats plain decoding by `margin`.
+        node; `fixed` seconds the step spends on drafting whatever its size (a draft model reading
+        the tokens committed since it last ran). Returns 0 when no size beats plain decoding by
+        `margin`.
         """
         plain = 1.0 / self.t(fixed_rows, n_past)
         best_n, best_rate = 0, plain * (1.0 + margin)
@@ -193,7 +195,7 @@ class CostModel:
             gain += p
             k = fixed_rows + n
             t = (base[k] + (a0 + a1 * k) * e) * r * shape[k] if 1 < k < _TABLE else self.t(k, n_past)
-            rate = gain / (t + per_node * n)
+            rate = gain / (t + per_node * n + fixed)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n

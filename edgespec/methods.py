@@ -77,13 +77,20 @@ def _lookahead(engine, opt):
 
 
 def _draft(engine, opt):
-    from .drafters.draft_model import DraftModelDrafter
+    from .drafters.draft_model import DraftModelDrafter, KeptDraftState
 
     if engine.draft_model is None:
         raise EdgespecError("--spec draft needs a draft model: pass -md MODEL")
-    c = engine.cfg
+    c, dc = engine.cfg, engine.draft_cost
+    # what the drafter learns of itself (confidence against acceptance, its times) outlives the
+    # generation and, beside the target's cost curve, the process; `draft` and `auto` share it.
+    # Reading n tokens to catch up costs about the curve's marginal row (an upper bound: it asks
+    # logits of one row only), until catch-ups are timed.
+    t_read = max(0.0, (dc.t(32) - dc.t(16)) / 16)
+    key = f"draft-state:{engine.draft_model.path.name}"
+    state = engine.side.keep(key, lambda: KeptDraftState(engine.cost, key, dc.t(1), t_read)).value
     return DraftModelDrafter(engine.draft_model, engine.draft_kv, c.draft_n_max, c.draft_n_min, c.draft_p_min,
-                             opt.seed, t_token=engine.draft_cost.t(1), is_stop=engine.target.is_eog)
+                             opt.seed, is_stop=engine.target.is_eog, state=state)
 
 
 def _native_mtp(engine) -> bool:

@@ -34,17 +34,17 @@ class Budget:
     # gates then let everything within max_nodes through, and the scheduler weighs it all
     gated: bool = True
 
-    def size(self, path_probs: list[float], per_node: float = 0.0) -> int:
-        """How many candidates (in order, each with the chance its path is accepted) pay; at
-        least `n_min` of them (bypassing the cost model, to measure acceptance where drafting
-        does not pay)."""
-        n = self.cost.best_size(path_probs, self.fixed_rows, per_node, n_past=self.n_past)
+    def size(self, path_probs: list[float], per_node: float = 0.0, fixed: float = 0.0) -> int:
+        """How many candidates (in order, each with the chance its path is accepted) pay, with
+        `per_node` drafting seconds per candidate and `fixed` per step; at least `n_min` of them
+        (bypassing the cost model, to measure acceptance where drafting does not pay)."""
+        n = self.cost.best_size(path_probs, self.fixed_rows, per_node, n_past=self.n_past, fixed=fixed)
         return max(n, min(self.n_min, len(path_probs), self.max_nodes))
 
-    def gate(self, path_probs: list[float], per_node: float = 0.0) -> int:
+    def gate(self, path_probs: list[float], per_node: float = 0.0, fixed: float = 0.0) -> int:
         """For a drafter deciding while it drafts: how many of these candidates would pay
         (`size`), or all of them where the scheduler sizes several sequences together."""
-        return self.size(path_probs, per_node) if self.gated else len(path_probs)
+        return self.size(path_probs, per_node, fixed) if self.gated else len(path_probs)
 
 
 @dataclass(frozen=True)

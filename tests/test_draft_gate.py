@@ -1,0 +1,81 @@
+"""The draft model runs only where its known costs can pay (docs/drafting.md): its time per drafted
+token and per token it must read to catch up are weighed on the target's cost curve before it
+runs at all, with its confidence calibrated against what the target accepted; and what it learned
+outlives the generation and, beside the cost curve, the process. Real models (SmolLM2 Q8_0 with
+its Q4_0 as the draft); curves injected, so that only the gate decides."""
+
+import json
+
+import pytest
+
+from edgespec.costmodel import KS, CostModel, flat
+from edgespec.drafters.draft_model import DraftState, KeptDraftState
+
+from conftest import GREEDY, PROMPTS
+
+
+def _key(eng) -> str:
+    return f"draft-state:{eng.draft_model.path.name}"
+
+
+@pytest.fixture
+def pair(smol_pair):
+    """smol_pair with a fresh kept draft state and its own curve back after the test."""
+    saved = smol_pair.cost
+    smol_pair.side.release(_key(smol_pair))
+    yield smol_pair
+    smol_pair.cost = saved
+    smol_pair.side.release(_key(smol_pair))
+
+
+def _run(eng, method, prompt=PROMPTS[0], n=48):
+    toks = eng.prompt_tokens(prompt)
+    eng.draft_kv.reset()
+    g = eng.start(toks, n, GREEDY, method).run()
+    return list(g.tokens), g.stats
+
+
+def test_a_draft_model_that_cannot_pay_is_never_run(pair):
+    """Where a verified row costs as much as a plain step (a CPU's steep curve taken to its end),
+    not even an always-right draft pays for the draft model's own decodes: it never runs, under
+    `draft` or `auto` (its cache stays empty), and the output is plain decoding's."""
+    plain, _ = _run(pair, "none")
+    pair.cost = CostModel(KS, tuple(0.02 * k for k in KS), 0.0, 32, pair.cost.max_exact_rows, online=False)
+    for method in ("draft", "auto"):
+        out, st = _run(pair, method)
+        assert out == plain
+        assert pair.draft_kv.tokens == [], method
+    assert pair.side[_key(pair)].value.skipped == 0  # not even counted as a skip: it can never pay
+
+
+def test_catching_up_is_weighed_before_the_draft_model_runs(pair):
+    """On a curve where drafting pays (verifying k rows costs one) the draft model drafts; when
+    reading the text it missed would cost more than any draft could save, it does not run."""
+    pair.cost = flat(0.05, pair.cost.max_exact_rows)
+    out, st = _run(pair, "draft")
+    assert st.n_drafted > 0 and pair.draft_kv.tokens
+    state = pair.side[_key(pair)].value
+    state.t_read = 10.0  # seconds per token read: a prompt's catch-up never pays
+    state.probe_every = 1 << 20
+    out2, st2 = _run(pair, "draft")
+    assert out2 == out and st2.n_drafted == 0 and pair.draft_kv.tokens == []
+
+
+def test_what_the_draft_model_learned_outlives_the_process(tmp_path):
+    """Its calibration, confidence and times are written beside the target's cost curve and read
+    back by the next process; a record it cannot read is learned again."""
+    cm = flat(0.01, 32)
+    f = tmp_path / "costs.json"
+    f.write_text(json.dumps({"k": {"curve": 1}}))
+    cm.origin = (str(f), "k")
+    kept = KeptDraftState(cm, "draft-state:d.gguf", 0.02, 0.005)
+    s = kept.value
+    s.calib.est[:] = 40.0
+    s.calib.acc[:] = 22.0
+    s.mean_conf, s.t_token, s.t_read, s.probe_every = 0.61, 0.031, 0.004, 256
+    kept.close()
+    back = KeptDraftState(cm, "draft-state:d.gguf", 0.02, 0.005).value
+    assert back.to_dict() == s.to_dict() and back.calib.factor(1) == pytest.approx(22 / 40)
+    assert json.loads(f.read_text())["k"]["curve"] == 1
+    fresh = DraftState.from_dict({"est": "x"}, 0.02, 0.005)
+    assert fresh.mean_conf == DraftState().mean_conf and fresh.t_token == 0.02 and fresh.t_read == 0.005
