@@ -92,3 +92,11 @@ def write_q4_k_m(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:
 
 def tensor_types(path: str | Path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def tiny_q4_k_fixture(tmp_path_factory):
+    """The tiny model quantized to Q4_K_M, written once per test module (a pytest fixture: tests
+    take it as `tiny_q4_k = pytest.fixture(scope="module")(tiny_q4_k_fixture)`)."""
+    p = write_q4_k_m(tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf")
+    assert {"Q4_K", "Q6_K"} <= set(tensor_types(p).values())
+    return p

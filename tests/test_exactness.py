@@ -18,6 +18,7 @@ from edgespec.costmodel import BATCHED_ROWS, flat, resolve_policy, verify_rows
 from edgespec.models import cache_root
 
 from conftest import GREEDY, PROMPTS
+from synthetic_kquant import tiny_q4_k_fixture
 
 COPY = PROMPTS[3]
 
@@ -255,13 +256,7 @@ def _kquant_engine(model, exactness, exact_kernels, cache, stock=False):
     return d
 
 
-@pytest.fixture(scope="module")
-def tiny_q4_k(tmp_path_factory):
-    from synthetic_kquant import tensor_types, write_q4_k_m
-
-    p = write_q4_k_m(tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf")
-    assert {"Q4_K", "Q6_K"} <= set(tensor_types(p).values())
-    return p
+tiny_q4_k = pytest.fixture(scope="module", name="tiny_q4_k")(tiny_q4_k_fixture)
 
 
 def test_kquant_probe_and_policy_agree(tiny_q4_k, tmp_path):

@@ -13,6 +13,8 @@ import pytest
 
 from edgespec import kernel_build, kernels
 
+from synthetic_kquant import tiny_q4_k_fixture
+
 # Every row count from 1 to 32 against one-row decodes of the same tokens after a 40-token prefix,
 # on the tiny Q4_K_M model's random weights (tests/synthetic_kquant.py): Q4_K repacked (the GEMV for
 # 1-3 rows, the 4-row and 16-row GEMMs above) and Q6_K through the per-row kernel or the tiled one.
@@ -52,13 +54,7 @@ def _rows(model, stock: bool) -> dict:
     return d
 
 
-@pytest.fixture(scope="module")
-def tiny_q4_k(tmp_path_factory):
-    from synthetic_kquant import tensor_types, write_q4_k_m
-
-    p = write_q4_k_m(tmp_path_factory.mktemp("kernels") / "tiny-q4_k_m.gguf")
-    assert {"Q4_K", "Q6_K"} <= set(tensor_types(p).values())
-    return p
+tiny_q4_k = pytest.fixture(scope="module", name="tiny_q4_k")(tiny_q4_k_fixture)
 
 
 def test_the_installed_build_is_loaded():
