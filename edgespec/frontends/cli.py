@@ -14,6 +14,7 @@ from .. import __version__, methods
 from ..errors import EdgespecError
 from ..kvtypes import DEFAULT_KV, KV_TYPES, kv_spec, kv_types
 from ..models import CHAT_MODEL
+from .console import LogBars
 from .options import (
     BatchOptions, BenchOptions, ChatOptions, ConvertOptions, DoctorOptions, DraftOptions, GrammarOptions, ModelOptions,
     ModelsOptions, PullOptions, QuantizeOptions, RunOptions, SamplingOptions, ServeOptions, TrainOptions, options,
@@ -665,14 +666,21 @@ def cmd_train(a: TrainOptions) -> int:
 
 
 class _StderrHandler(logging.Handler):
-    """The core's notes (logging), one line each on whatever stderr is at the time."""
+    """The core's notes (logging), one line each on whatever stderr is at the time; measured
+    progress as a bar (console.LogBars)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bars = LogBars()
 
     def emit(self, record: logging.LogRecord) -> None:
         if getattr(record, "progress", False) and not sys.stderr.isatty():
             return  # a note of progress, for a person watching a terminal
         try:
-            sys.stderr.write(f"edgespec: {record.getMessage()}\n")
-            sys.stderr.flush()
+            if LogBars.is_bar(record):
+                self.bars.show(record)
+            else:
+                self.bars.write(f"edgespec: {record.getMessage()}")
         except Exception:
             self.handleError(record)
 
