@@ -61,10 +61,6 @@ class CostModel:
         # Online correction, measured/predicted, for one-row and many-row decodes: a curve
         # measured once under other load drifts from what decodes cost now.
         self.ratio = [1.0, 1.0]
-        # The many-row correction in use: its EMA (ratio[1]) with the one-row correction as its
-        # prior, in place of the 1.0 it starts from (a curve 3x too dear for one row is almost
-        # surely too dear for four): see _prior.
-        self.many = 1.0
         self._plain_run = 0  # one-row decodes since the last many-row one (exploration's clock)
         # The curve's shape, learned too: per row count, measured/predicted relative to the
         # many-row correction (1.0 until that count is seen). One correction for every
@@ -123,7 +119,6 @@ class CostModel:
         self.ratio[b] = 0.95 * self.ratio[b] + 0.05 * r
         self.n_obs[b] += 1
         self._plain_run = self._plain_run + 1 if b == 0 else 0
-        self._prior()
         if predicted is None and n_past > self.n0:
             frac = (self.attn0 + self.attn * k) * (n_past - self.n0) / pred  # attention's part of it
             if frac < 0.15 or frac > 0.35:
@@ -137,11 +132,14 @@ class CostModel:
             self.shape[k] = (1 - w) * self.shape[k] + w * min(3.0, max(0.33, r / self.many))
             self._seen[k] = n + 1
 
-    def _prior(self) -> None:
-        """The many-row correction in use: the EMA of many-row decodes (which starts from 1.0
-        with weight 0.95**n after n of them) with that start replaced by the one-row correction.
-        Before any many-row decode it is the one-row correction; evidence takes over as it comes."""
-        self.many = self.ratio[1] + 0.95 ** self.n_obs[1] * (self.ratio[0] - 1.0)
+    @property
+    def many(self) -> float:
+        """The many-row correction in use: the EMA of many-row decodes (ratio[1], which starts
+        from 1.0 and gives that start a weight of 0.95**n after n of them) with its start
+        replaced by the one-row correction, the prior (a curve 3x too dear for one row is almost
+        surely too dear for four). Before any many-row decode it is the one-row correction;
+        evidence takes over as it comes."""
+        return self.ratio[1] + 0.95 ** self.n_obs[1] * (self.ratio[0] - 1.0)
 
     # -- healing: what the online correction learned, kept across processes ---------------
 
@@ -171,7 +169,6 @@ class CostModel:
             if len(attn) == 2:
                 self._attn_obs = attn
             self._written_obs = list(self.n_obs)
-            self._prior()
 
     def far_off(self) -> str:
         """Why this curve should be measured again ('' when it holds): its online corrections
