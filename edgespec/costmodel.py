@@ -199,7 +199,7 @@ class CostModel:
         `probs[i]` is the chance that node i's path is accepted; `per_node` the drafting time per
         node. Returns 0 when no size beats plain decoding by `margin`, but for an exploratory
         draft: until MIN_EVIDENCE many-row decodes are seen, the many-row prediction is a prior
-        (`_prior`), and where it says nothing pays, one node is verified all the same once per
+        (`many`), and where it says nothing pays, one node is verified all the same once per
         EXPLORE_EVERY plain steps, so that evidence arrives. It changes only how much is
         drafted (every draft is verified), and costs at most MIN_EVIDENCE extra rows in all.
         """
