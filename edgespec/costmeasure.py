@@ -1,7 +1,7 @@
 """Measuring the cost curve and the exactness probe: one pass that reads little context.
 
 The first run of a model waits for this, so it measures what the sizing needs and nothing twice
-(1.5B Q4_K_M, 2 threads: about 17 s, where separate passes took about 60):
+(Qwen2.5-Coder-1.5B Q4_K_M, 2 threads: about 18 s, where separate passes took about 70):
 
 - **Short context** (32 tokens): 32 random rows are decoded one at a time (the probe's reference
   logits, and one-row timings), then as batches of every size in `KS`, interleaved, on two passes
@@ -18,7 +18,8 @@ A draft model's curve is read for its time per token only: `measure_one_row`, a 
 second, in place of all this.
 
 A busy machine shows as a low CPU share (the CPU time our threads got against the wall time);
-such a curve is kept and measured again as soon as the machine is quiet (`cpu_share`, between
+such a curve is measured with one pass instead of two or three (the probe compares every size
+on the first), kept, and measured again as soon as the machine is quiet (`cpu_share`, between
 generations: see costmodel.due), not here again and again. Progress is reported through logging
 (`extra={"progress": True, "task", "done", "total"}`, seconds): front ends draw it.
 """
@@ -41,7 +42,7 @@ LONG_PROBE = 600  # cells of context for the probe's second stage (past llama.cp
 PREFIX = 32  # the short context's tokens: attention is not free
 REPS = 3  # passes over the sizes at most: two, and a third for sizes whose two disagree (AGREE)
 AGREE = 1.03
-LONG_REPS = 4  # one row and eight timed this many times at the long context (the attention term)
+LONG_REPS = 5  # one row and eight timed this many times at the long context and the short one again (attention)
 
 
 class Meter:
@@ -162,8 +163,8 @@ class _Pass:
         for k in self.ks:
             m.plan(k, 2)
         if self.long_n:
-            m.plan(1, LONG_REPS)
-            m.plan(8, LONG_REPS)
+            m.plan(1, 2 * LONG_REPS)
+            m.plan(8, 2 * LONG_REPS)
         if self.long_probe:
             m.plan(1, len(self.rows))
             for b in self.probed:
@@ -178,6 +179,14 @@ class _Pass:
         self.clock[0] += dt
         self.meter.did(len(toks), dt)
         return dt
+
+    def share(self) -> float:
+        """The share of its threads' CPU time the timed decodes got so far."""
+        wall, cpu = self.clock
+        return min(1.0, cpu / (wall * max(1, self.ctx.n_threads))) if wall > 0 else 1.0
+
+    def busy(self) -> bool:
+        return self.share() < QUIET_SHARE
 
     def read(self, upto: int) -> None:
         kv = self.kv
@@ -201,11 +210,19 @@ class _Pass:
         return max(float(np.max(np.abs(self.ctx.logits(i) - ref[i]))) for i in range(b))
 
     def run(self) -> CostModel:
+        try:
+            return self._run()
+        except BaseException:
+            self.meter.finish(f"{self.name}: measurement stopped")  # a front end's bar ends too
+            raise
+
+    def _run(self) -> CostModel:
         kv, meter = self.kv, self.meter
         kv.reset()
         meter.note(f"{self.name}: reading a short context", force=True)
         self.read(self.prefix_n)
         best, limit, worst = self.short()
+        self.best = best
         attn = attn0 = 0.0
         if self.long_n:
             meter.note(f"{self.name}: reading {self.long_n} tokens of context", force=True)
@@ -220,8 +237,7 @@ class _Pass:
         for i in range(1, len(ts)):  # costs are monotone in k; noise on a shared machine is not
             ts[i] = max(ts[i], ts[i - 1])
         cm = CostModel(self.ks, tuple(ts), attn, self.prefix_n, attn0=attn0)
-        wall, cpu = self.clock
-        share = min(1.0, cpu / (wall * max(1, self.ctx.n_threads))) if wall > 0 else 1.0
+        share = self.share()
         cm.share = round(share, 3)
         if self.probe:
             cm.max_exact_rows, cm.batch_logit_diff = limit, worst
@@ -239,6 +255,8 @@ class _Pass:
         times: dict[int, list[float]] = {k: [] for k in self.ks}
         worst, inexact = 0.0, set()
         for rep in range(REPS):
+            if rep and self.busy():
+                break  # one pass only: this curve is measured again when the machine is quiet
             todo = self.ks if rep < 2 else [k for k in self.ks if max(times[k]) > AGREE * min(times[k])]
             for k in todo:
                 base = kv.n
@@ -284,11 +302,21 @@ class _Pass:
                     limit = last
                     break
                 last = b
-        for _ in range(LONG_REPS):
+        reps = LONG_REPS // 2 if self.busy() else LONG_REPS
+        for _ in range(reps):
             for k in (1, 8):
                 far[k] = min(far[k], self.timed(rows[:k]))
                 kv.truncate(n)
             self.meter.note(f"{self.name}: attention after {n} tokens")
+        # the same sizes at the short context again, right after (dropping cells is free): the
+        # extra time per cached token is a small difference of two times, so both are timed as
+        # often, and on both sides of the long context's (a machine drifts by a few percent)
+        kv.truncate(self.prefix_n)
+        for _ in range(reps):
+            for k in (1, 8):
+                self.best[k] = min(self.best[k], self.timed(rows[:k]))
+                kv.truncate(self.prefix_n)
+            self.meter.note(f"{self.name}: attention after {self.prefix_n} tokens")
         return far, limit, worst
 
 
