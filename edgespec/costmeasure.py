@@ -19,7 +19,8 @@ second, in place of all this.
 
 A busy machine shows as a low CPU share (the CPU time our threads got against the wall time);
 such a curve is measured with one pass instead of two or three (the probe compares every size
-on the first), kept, and measured again as soon as the machine is quiet (`cpu_share`, between
+on the first) and without its attention term, kept, and measured again as soon as the machine
+is quiet (`cpu_share`, between
 generations: see costmodel.due), not here again and again. Progress is reported through logging
 (`extra={"progress": True, "task", "done", "total"}`, seconds): front ends draw it.
 """
@@ -221,17 +222,28 @@ class _Pass:
         kv.reset()
         meter.note(f"{self.name}: reading a short context", force=True)
         self.read(self.prefix_n)
+        kv.extend(self.rows[:1])  # a warm-up: the weights paged in, the threads awake
+        kv.truncate(self.prefix_n)
         best, limit, worst = self.short()
-        self.best = best
         attn = attn0 = 0.0
         if self.long_n:
             meter.note(f"{self.name}: reading {self.long_n} tokens of context", force=True)
             self.read(self.long_n)
-            far, limit, worst = self.long(limit, worst)
-            # the extra time per cached token of one row and of eight: attn0 + attn * k
-            per = {k: max(0.0, far[k] - best[k]) / (self.long_n - self.prefix_n) for k in (1, 8)}
-            attn = max(0.0, (per[8] - per[1]) / 7)
-            attn0 = max(0.0, per[1] - attn)
+            far = {1: float("inf"), 8: float("inf")}
+            if self.long_probe:
+                limit, worst = self.probe_long(limit, worst, far)
+            if self.busy():
+                # times taken while other work takes the CPU make the small difference the
+                # attention term is (here 690 us per row per cached token, against 3-5 quiet):
+                # left at 0 (cheap long contexts draft, and so bring evidence) until the curve
+                # is measured again on a quiet machine
+                meter.left[1] = meter.left[8] = 0
+            else:
+                self.attention(far, best)
+                # the extra time per cached token of one row and of eight: attn0 + attn * k
+                per = {k: max(0.0, far[k] - best[k]) / (self.long_n - self.prefix_n) for k in (1, 8)}
+                attn = max(0.0, (per[8] - per[1]) / 7)
+                attn0 = max(0.0, per[1] - attn)
         kv.reset()
         ts = [best[k] for k in self.ks]
         for i in range(1, len(ts)):  # costs are monotone in k; noise on a shared machine is not
@@ -280,44 +292,40 @@ class _Pass:
                     self.meter.left[b] -= 1
         return {k: min(v) for k, v in times.items()}, limit, worst
 
-    def long(self, limit: int, worst: float) -> tuple[dict[int, float], int, float]:
-        """At the long context: the probe's second stage (sizes up to `limit`: the limit
-        lowered at the first that differs), and the fastest decode of one row and of eight."""
+    def probe_long(self, limit: int, worst: float, far: dict[int, float]) -> tuple[int, float]:
+        """The probe's second stage at the long context: sizes up to `limit`, the limit lowered
+        at the first that differs; the times of one row and of eight kept in `far`."""
         kv, rows, n = self.kv, self.rows, self.long_n
-        far = {1: float("inf"), 8: float("inf")}
-        if self.long_probe:
-            ref, far[1] = self.references(rows[:limit])
-            last = 1
-            for b in self.probed:
-                if b > limit:
-                    break
-                dt = self.timed(rows[:b])
-                if b in far:
-                    far[b] = min(far[b], dt)
-                d = self.diff(ref, b)
-                kv.truncate(n)
-                worst = max(worst, d)
-                self.meter.note(f"{self.name}: exactness past 512 cells, {b} rows")
-                if d != 0.0:
-                    limit = last
-                    break
-                last = b
-        reps = LONG_REPS // 2 if self.busy() else LONG_REPS
-        for _ in range(reps):
-            for k in (1, 8):
-                far[k] = min(far[k], self.timed(rows[:k]))
-                kv.truncate(n)
-            self.meter.note(f"{self.name}: attention after {n} tokens")
-        # the same sizes at the short context again, right after (dropping cells is free): the
-        # extra time per cached token is a small difference of two times, so both are timed as
-        # often, and on both sides of the long context's (a machine drifts by a few percent)
-        kv.truncate(self.prefix_n)
-        for _ in range(reps):
-            for k in (1, 8):
-                self.best[k] = min(self.best[k], self.timed(rows[:k]))
-                kv.truncate(self.prefix_n)
-            self.meter.note(f"{self.name}: attention after {self.prefix_n} tokens")
-        return far, limit, worst
+        ref, far[1] = self.references(rows[:limit])
+        last = 1
+        for b in self.probed:
+            if b > limit:
+                break
+            dt = self.timed(rows[:b])
+            if b in far:
+                far[b] = min(far[b], dt)
+            d = self.diff(ref, b)
+            kv.truncate(n)
+            worst = max(worst, d)
+            self.meter.note(f"{self.name}: exactness past 512 cells, {b} rows")
+            if d != 0.0:
+                return last, worst
+            last = b
+        return limit, worst
+
+    def attention(self, far: dict[int, float], near: dict[int, float]) -> None:
+        """One row and eight timed at the long context (into `far`), then at the short one
+        again (into `near`; dropping cells is free): the extra time per cached token is a small
+        difference of two times, so both are timed as often, and on both sides of the long
+        context's (a machine drifts by a few percent)."""
+        kv, rows = self.kv, self.rows
+        for n, into in ((self.long_n, far), (self.prefix_n, near)):
+            kv.truncate(n)
+            for _ in range(LONG_REPS):
+                for k in (1, 8):
+                    into[k] = min(into[k], self.timed(rows[:k]))
+                    kv.truncate(n)
+                self.meter.note(f"{self.name}: attention after {n} tokens")
 
 
 def cpu_share(ctx: Context, kv, seconds: float = 0.15) -> float:
