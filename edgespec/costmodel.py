@@ -15,6 +15,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from .llama import Context
 from .models import cache_root
@@ -25,6 +26,11 @@ KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 FAR = 1.3  # an online correction outside [1/FAR, FAR] after MIN_EVIDENCE decodes: the curve is measured again
 MIN_EVIDENCE = 24
 QUIET_SHARE = 0.8  # a measurement that had less of its threads' CPU time than this was disturbed
+# Until MIN_EVIDENCE many-row decodes are seen, their prediction is uncertain: at most one
+# exploratory draft of EXPLORE_NODES node per EXPLORE_EVERY plain steps where nothing is predicted
+# to pay, so that evidence arrives (see CostModel.best_size).
+EXPLORE_EVERY = 16
+EXPLORE_NODES = 1
 _TABLE = 66  # row counts with a precomputed prediction (a verification is at most 32 + pending)
 
 
@@ -55,6 +61,7 @@ class CostModel:
         # Online correction, measured/predicted, for one-row and many-row decodes: a curve
         # measured once under other load drifts from what decodes cost now.
         self.ratio = [1.0, 1.0]
+        self._plain_run = 0  # one-row decodes since the last many-row one (exploration's clock)
         # The curve's shape, learned too: per row count, measured/predicted relative to the
         # many-row correction (1.0 until that count is seen). One correction for every
         # many-row decode follows the common sizes (4 rows, here): on the chat prompts 2-row
@@ -79,7 +86,7 @@ class CostModel:
     def t(self, k: int, n_past: int = 0) -> float:
         if k <= 1:
             return self.predict(k, n_past) * self.ratio[0]
-        return self.predict(k, n_past) * self.ratio[1] * (self.shape[k] if k < _TABLE else 1.0)
+        return self.predict(k, n_past) * self.many * (self.shape[k] if k < _TABLE else 1.0)
 
     def predict(self, k: int, n_past: int = 0) -> float:
         ks, ts = self.ks, self.ts
@@ -96,7 +103,7 @@ class CostModel:
     def t_multi(self, rows: int, row_tokens: int) -> float:
         """One decode of `rows` rows from several sequences, `row_tokens` being the sum over rows
         of the tokens each row attends to (its own sequence's cache): batch mode."""
-        return self.predict_multi(rows, row_tokens) * self.ratio[0 if rows <= 1 else 1]
+        return self.predict_multi(rows, row_tokens) * (self.ratio[0] if rows <= 1 else self.many)
 
     def predict_multi(self, rows: int, row_tokens: int) -> float:
         extra = max(0, row_tokens - rows * self.n0)
@@ -111,6 +118,7 @@ class CostModel:
         b = 0 if k <= 1 else 1
         self.ratio[b] = 0.95 * self.ratio[b] + 0.05 * r
         self.n_obs[b] += 1
+        self._plain_run = self._plain_run + 1 if b == 0 else 0
         if predicted is None and n_past > self.n0:
             frac = (self.attn0 + self.attn * k) * (n_past - self.n0) / pred  # attention's part of it
             if frac < 0.15 or frac > 0.35:
@@ -121,8 +129,17 @@ class CostModel:
         if predicted is None and 1 < k < _TABLE:  # one sequence's rows: the shape at k
             n = self._seen[k]
             w = max(0.1, 1.0 / (n + 3))  # the curve's own value weighs as two measurements
-            self.shape[k] = (1 - w) * self.shape[k] + w * min(3.0, max(0.33, r / self.ratio[1]))
+            self.shape[k] = (1 - w) * self.shape[k] + w * min(3.0, max(0.33, r / self.many))
             self._seen[k] = n + 1
+
+    @property
+    def many(self) -> float:
+        """The many-row correction in use: the EMA of many-row decodes (ratio[1], which starts
+        from 1.0 and gives that start a weight of 0.95**n after n of them) with its start
+        replaced by the one-row correction, the prior (a curve 3x too dear for one row is almost
+        surely too dear for four). Before any many-row decode it is the one-row correction;
+        evidence takes over as it comes."""
+        return self.ratio[1] + 0.95 ** self.n_obs[1] * (self.ratio[0] - 1.0)
 
     # -- healing: what the online correction learned, kept across processes ---------------
 
@@ -159,9 +176,9 @@ class CostModel:
         was measured while other work took the CPU."""
         lo, hi = 1 / FAR, FAR
         names = ("one-row", "many-row")
-        for b in (0, 1):
-            if self.n_obs[b] >= MIN_EVIDENCE and not lo <= self.ratio[b] <= hi:
-                return f"{names[b]} decodes ran {self.ratio[b]:.2f}x the curve over {self.n_obs[b]} decodes"
+        for b, r in enumerate((self.ratio[0], self.many)):
+            if self.n_obs[b] >= MIN_EVIDENCE and not lo <= r <= hi:
+                return f"{names[b]} decodes ran {r:.2f}x the curve over {self.n_obs[b]} decodes"
         for k in range(2, _TABLE):
             if self._seen[k] >= MIN_EVIDENCE and not lo <= self.shape[k] <= hi:
                 return f"{k}-row decodes ran {self.shape[k]:.2f}x the curve's shape over {self._seen[k]} decodes"
@@ -182,14 +199,19 @@ class CostModel:
         `probs[i]` is the chance that node i's path is accepted; `per_node` the drafting time per
         node; `fixed` seconds the step spends on drafting whatever its size (a draft model reading
         the tokens committed since it last ran). Returns 0 when no size beats plain decoding by
-        `margin`.
+        `margin`, but for an exploratory draft: until MIN_EVIDENCE many-row decodes are seen, the
+        many-row prediction is a prior (`many`), and where it says nothing pays, one node is
+        verified all the same once per EXPLORE_EVERY plain steps, so that evidence arrives. It
+        changes only how much is drafted (every draft is verified), and costs at most
+        MIN_EVIDENCE extra rows in all; never where drafting has a `fixed` cost (a draft model's
+        catch-up is not a probe's price: the cheap drafters' exploration brings the evidence).
         """
         plain = 1.0 / self.t(fixed_rows, n_past)
         best_n, best_rate = 0, plain * (1.0 + margin)
         gain = 1.0
         # t(k, n_past) inlined: the table's predict(k, 0) plus the attention term, times the
         # corrections for many rows and for k (the same arithmetic, so the same sizes)
-        base, e, a0, a1, r = self._base, max(0, n_past - self.n0), self.attn0, self.attn, self.ratio[1]
+        base, e, a0, a1, r = self._base, max(0, n_past - self.n0), self.attn0, self.attn, self.many
         shape = self.shape
         for n, p in enumerate(probs, start=1):
             gain += p
@@ -198,6 +220,9 @@ class CostModel:
             rate = gain / (t + per_node * n + fixed)
             if rate > best_rate:
                 best_n, best_rate = n, rate
+        if (not best_n and probs and not fixed and self.online and self.n_obs[1] < MIN_EVIDENCE
+                and self._plain_run >= EXPLORE_EVERY):
+            return min(EXPLORE_NODES, len(probs))
         return best_n
 
     def to_dict(self) -> dict:
@@ -269,164 +294,43 @@ def _key(ctx: Context, n_gpu_layers: int, tag: str = "") -> str:
             f"|{platform.node()}" + (f"|rpc{tag}" if tag else "") + kernel_tag(ctx.model))
 
 
-def measure(ctx: Context, kv, reps: int = 5) -> CostModel:
-    """The cost curve and the exactness probe, measured now (see measure_curve, probe_exactness)."""
-    cm = measure_curve(ctx, kv, reps)
-    cm.max_exact_rows, cm.batch_logit_diff = probe_exactness(ctx, kv)
-    return cm
-
-
-def measure_curve(ctx: Context, kv, reps: int = 5, attempts: int = 3, pause: float = 1.0,
-                  budget: float = 20.0) -> CostModel:
-    """Time decodes of k rows (logits on every row, as verification needs), so that a busy
-    machine cannot fool it: the sizes interleaved and repeated (a burst of load elsewhere hits
-    every size alike), the fastest of each kept (what a quiet machine shows), the CPU time our
-    threads actually got counted against the wall time (another program taking the cores shows
-    as a share below 1), and the whole measured again, up to `attempts` times, while that share
-    is low or the curve is inconsistent (its attention term measured at two context lengths
-    disagrees), as long as the measurement has taken less than `budget` seconds (on a machine
-    that stays busy it is measured again later: see `CostModel.far_off`). Every attempt's
-    fastest time per size is kept."""
-    tok = ctx.model.bos if ctx.model.bos >= 0 else 0
-    prefix = min(32, ctx.n_ctx // 4)  # a short context, so attention is not free
-    ks = tuple(k for k in KS if k <= ctx.n_batch and prefix + k <= ctx.n_ctx)
-    threads = max(1, ctx.n_threads)
-    clock = {"wall": 0.0, "cpu": 0.0}
-
-    def timed(k: int) -> float:
-        base = kv.n
-        c0, t0 = time.process_time(), time.perf_counter()
-        kv.extend([tok] * k, all_rows=True)
-        dt = time.perf_counter() - t0
-        clock["cpu"] += time.process_time() - c0
-        clock["wall"] += dt
-        kv.truncate(base)
-        return dt
-
-    best = {k: float("inf") for k in ks}
-    # The attention term: one row and eight again after a mid and a long context. Extra time per
-    # cached token is attn0 + attn * k; two sizes give both, two lengths check them.
-    long_n = min(1024, ctx.n_ctx - 16)
-    lengths = (prefix + (long_n - prefix) // 2, long_n) if long_n > 4 * prefix and 8 in best else ()
-    far = {n: {1: float("inf"), 8: float("inf")} for n in lengths}
-    share, attn, attn0 = 1.0, 0.0, 0.0
-    started = time.perf_counter()
-    for attempt in range(attempts):
-        if attempt:
-            if time.perf_counter() - started > budget:
-                break
-            time.sleep(pause)
-        clock["wall"] = clock["cpu"] = 0.0
-        kv.reset()
-        kv.extend([tok] * prefix, want_logits=False)
-        timed(ks[-1])  # warm-up
-        clock["wall"] = clock["cpu"] = 0.0
-        for _ in range(reps):
-            for k in ks:
-                best[k] = min(best[k], timed(k))
-        for n in lengths:
-            kv.extend([tok] * (n - kv.n), want_logits=False)
-            for _ in range(reps):
-                for k in far[n]:
-                    far[n][k] = min(far[n][k], timed(k))
-        share = min(1.0, clock["cpu"] / (clock["wall"] * threads)) if clock["wall"] > 0 else 1.0
-        consistent = True
-        if lengths:
-            per = {n: {k: max(0.0, far[n][k] - best[k]) / (n - prefix) for k in (1, 8)} for n in lengths}
-            a1 = {n: max(0.0, (per[n][8] - per[n][1]) / 7) for n in lengths}
-            a0 = {n: max(0.0, per[n][1] - a1[n]) for n in lengths}
-            mid, long_ = lengths
-            attn, attn0 = a1[long_], a0[long_]
-            # per cached token, the mid and the long context must agree (attention is linear in it)
-            tot = {n: a0[n] + 8 * a1[n] for n in lengths}
-            consistent = tot[long_] <= 1.5 * tot[mid] + 2e-7 and tot[mid] <= 1.5 * tot[long_] + 2e-7
-        log.debug("cost curve attempt %d: CPU share %.2f, attention consistent %s", attempt + 1, share, consistent)
-        if share >= QUIET_SHARE and consistent:
-            break
-    kv.reset()
-    ts = [best[k] for k in ks]
-    # Costs are monotone in k; noise on a shared machine is not.
-    for i in range(1, len(ts)):
-        ts[i] = max(ts[i], ts[i - 1])
-    cm = CostModel(ks, tuple(ts), attn, prefix, attn0=attn0)
-    cm.share = round(share, 3)
-    return cm
-
-
-PROBE_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
-LONG_PROBE = 600  # cells of context for the probe's second stage (past llama.cpp's 512-cell switch)
 PROBE_VERSION = 2  # records of an older version (measure and probe) are measured again
 
 
 def probe_exactness(ctx: Context, kv, seed: int = 1234) -> tuple[int, float]:
-    """The largest batch size whose every row's logits equal those of one-row decodes, and the
-    largest |difference| seen at any probed size.
+    """The exactness probe (costmeasure.probe_exactness), named here where docs and tests name it."""
+    from .costmeasure import probe_exactness as probe
 
-    Some CPU kernels process several rows together with another summation order (repacked Q4_K
-    weights go through a 4-row GEMM, other K-quants through a tiled kernel from 8 rows, unless the
-    engine takes the per-row kernels: docs/exactness.md), and GPU backends typically run one row through
-    matrix-vector kernels and batches through matrix-matrix ones, so a batched verification can
-    differ from plain decoding in the last bits and flip a near-tie. Greedy speculation is only
-    bit-exact up to the first size; the difference is the near-tie margin beyond it.
-    """
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    n_vocab = ctx.model.n_vocab
-    limit, worst, exact = 1, 0.0, True
-
-    def compare(prefix: list[int], rows: list[int]) -> float:
-        """Decode `rows` after `prefix` at once and one by one; the largest |logit difference|."""
-        if kv.tokens != prefix:
-            kv.reset()
-            kv.extend(prefix, want_logits=False)
-        kv.extend(rows, all_rows=True)
-        batched = [ctx.logits(i).copy() for i in range(len(rows))]
-        kv.truncate(len(prefix))
-        diff = max(float(np.max(np.abs(ctx.logits(kv.extend([t])) - batched[i]))) for i, t in enumerate(rows))
-        kv.truncate(len(prefix))
-        return diff
-
-    # A short context (a fresh random prefix per size), then a long one: llama.cpp's CPU attention
-    # changes paths for one row past 512 cells with some cache types (see llama.KV_TYPES).
-    long_len = min(LONG_PROBE, ctx.n_ctx - PROBE_ROWS[-1] - 1)
-    long_prefix = [int(x) for x in rng.integers(1, n_vocab, max(0, long_len))]
-    for b in PROBE_ROWS:
-        prefix = [int(x) for x in rng.integers(1, n_vocab, min(24, ctx.n_ctx // 4))]
-        if len(prefix) + b > ctx.n_ctx or b > ctx.n_batch:
-            break
-        diff = compare(prefix, [int(x) for x in rng.integers(1, n_vocab, b)])
-        worst = max(worst, diff)
-        exact = exact and diff == 0.0
-        if exact:
-            limit = b
-    if long_len >= 520:
-        last = 1
-        for b in PROBE_ROWS:
-            if b > limit:
-                break
-            diff = compare(long_prefix, [int(x) for x in rng.integers(1, n_vocab, b)])
-            worst = max(worst, diff)
-            if diff != 0.0:
-                limit = last
-                break
-            last = b
-    kv.reset()
-    return limit, worst
+    return probe(ctx, kv, seed)
 
 
 CURVE_VERSION = 3  # records of an older curve version keep their probe; their curve is measured again
-HEAL_RETRY_S = 600.0  # a curve measured while other work took the CPU is measured again after this long
+HEAL_RETRY_S = 600.0  # on a machine that stays busy, a curve due is measured again after this long all the same
 
 
-def due(cm: "CostModel") -> str:
-    """Why `cm` should be measured again now ('' if not): it proved far off (see
-    CostModel.far_off); one that was itself measured on a busy machine waits HEAL_RETRY_S
-    from then, so that a machine that stays busy is not measured at every load."""
+def due(cm: "CostModel", quiet_now: Callable[[], bool] | None = None) -> str:
+    """Why `cm` should be measured again now ('' if not): it proved far off or was measured on
+    a busy machine (CostModel.far_off), and the machine is quiet now (`quiet_now()`, a cheap
+    check of the CPU share a decode gets: `quiet_check`; None: taken as quiet), so that the new
+    measurement is a quiet one. On a machine that stays busy, HEAL_RETRY_S after the last
+    measurement all the same (`heal` then keeps the faster of the two, size by size)."""
     why = cm.far_off()
-    if why and (cm.share or 0.0) < QUIET_SHARE and time.time() - cm.measured_at < HEAL_RETRY_S:
-        return ""
-    return why
+    if not why or time.time() - cm.measured_at >= HEAL_RETRY_S or quiet_now is None or quiet_now():
+        return why
+    return ""
+
+
+def quiet_check(ctx: Context, kv) -> Callable[[], bool]:
+    """Whether the machine is quiet for `ctx` now: a few one-row decodes after what `kv` holds
+    (dropped after) get at least QUIET_SHARE of their threads' CPU time (costmeasure.cpu_share)."""
+    def quiet() -> bool:
+        from .costmeasure import cpu_share
+
+        share = cpu_share(ctx, kv)
+        log.debug("%s: a decode gets %.0f%% of its threads' CPU time now", ctx.model.path.name, 100 * share)
+        return share >= QUIET_SHARE
+
+    return quiet
 
 
 def _read(cache_file: str | os.PathLike) -> dict:
@@ -450,12 +354,16 @@ def _write(cache_file: str | os.PathLike, data: dict) -> None:
 
 
 def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layers: int = 0,
-                    quiet: bool = True, tag: str = "", force: bool = False) -> CostModel:
+                    quiet: bool = True, tag: str = "", force: bool = False, one_row: bool = False) -> CostModel:
     """The cost curve for this model and setup (`tag`: what else sets it apart, e.g. the RPC
     servers), measured once and cached in `cache_file` with what the online correction learned
     since (see `persist`); a cached curve that should be measured again (`CostModel.far_off`)
     is, here, before any generation (see `heal`). `force`: the curve and the exactness probe
-    measured again, replacing the cached ones (`edgespec doctor --remeasure`)."""
+    measured again, replacing the cached ones (`edgespec doctor --remeasure`). `one_row`: for a
+    draft model, read for its time per token only: a cached curve as it is, else that time
+    measured now (costmeasure.measure_one_row: a fraction of a second, not cached)."""
+    from .costmeasure import measure, measure_one_row
+
     key = _key(ctx, n_gpu_layers, tag)
     rec = _read(cache_file).get(key)
     if isinstance(rec, dict) and rec.get("probe") == PROBE_VERSION and not force:
@@ -467,13 +375,18 @@ def load_or_measure(ctx: Context, kv, cache_file: str | os.PathLike, n_gpu_layer
             cm.restore_online(rec.get("online") or {})
             cm.origin = (str(cache_file), key)
             cm.measured_at = float(rec.get("measured_at", 0.0))
-            why = "measured by an older version" if rec.get("curve") != CURVE_VERSION else due(cm)
+            if one_row:
+                return cm
+            why = ("measured by an older version" if rec.get("curve") != CURVE_VERSION
+                   else due(cm, quiet_check(ctx, kv)))
             return heal(ctx, kv, cm, why, quiet) if why else cm
+    if one_row:
+        return measure_one_row(ctx, kv)
     # none yet, or one from an older probe version (no attention intercept, no long-context probe)
     if not quiet:
         log.info("measuring what verifying k tokens costs on this machine (%s, %d threads; once, then cached)",
                  ctx.model.path.name, ctx.n_threads, extra={"progress": True})
-    cm = measure(ctx, kv)
+    cm = measure(ctx, kv, report=not quiet)
     cm.origin, cm.measured_at = (str(cache_file), key), time.time()
     _store(cm)
     return cm
@@ -483,10 +396,11 @@ COSTS_FILE = "costs.json"  # the cost cache, in the model cache's folder (edgesp
 
 
 def curve(ctx: Context, kv, n_gpu_layers: int = 0, rpc: tuple[str, ...] = (), quiet: bool = True,
-          force: bool = False) -> CostModel:
+          force: bool = False, one_row: bool = False) -> CostModel:
     """`load_or_measure` for a model loaded here with `n_gpu_layers` offloaded (to the `rpc`
     servers, if any), cached beside the models."""
-    return load_or_measure(ctx, kv, cache_root() / COSTS_FILE, n_gpu_layers, quiet, tag=",".join(rpc), force=force)
+    return load_or_measure(ctx, kv, cache_root() / COSTS_FILE, n_gpu_layers, quiet, tag=",".join(rpc), force=force,
+                           one_row=one_row)
 
 
 def _store(cm: CostModel) -> None:
@@ -539,10 +453,13 @@ def heal(ctx: Context, kv, cm: CostModel, why: str, quiet: bool = True) -> CostM
     """Measure the curve of `cm` again (never during a generation: this resets `kv`'s cache) and
     return the one to use from now on, written back. A measurement that had the CPU to itself
     replaces the old curve; one disturbed too keeps, per size, the faster of the two (load only
-    ever slows a decode down) and is tried again HEAL_RETRY_S later. The probe is kept."""
+    ever slows a decode down) and is measured again when the machine is quiet (`due`). The
+    probe is kept."""
+    from .costmeasure import measure_curve
+
     if not quiet:
         log.info("%s: the cost curve is measured again (%s)", ctx.model.path.name, why, extra={"progress": True})
-    new = measure_curve(ctx, kv)
+    new = measure_curve(ctx, kv, report=not quiet)
     new.max_exact_rows, new.batch_logit_diff = cm.max_exact_rows, cm.batch_logit_diff
     new.origin = cm.origin
     new.online = cm.online
@@ -560,15 +477,17 @@ def heal(ctx: Context, kv, cm: CostModel, why: str, quiet: bool = True) -> CostM
 
 def keep_up(ctx: Context, kv, cm: CostModel, quiet: bool = True) -> tuple[CostModel, str]:
     """Between generations (never during one): `cm` measured again where its online corrections
-    stayed far from 1 (`due`, `heal`), with what `kv` held (a conversation's cache) read back
-    after; else what the corrections learned written back (`persist`). Returns the curve to use
+    stayed far from 1 or it was measured on a busy machine, once the machine is quiet (`due`,
+    `heal`), with what `kv` held (a conversation's cache) put back after (copied, else read
+    again); else what the corrections learned written back (`persist`). Returns the curve to use
     from now on and why it was measured again ('' if it was not)."""
-    why = due(cm)
+    why = due(cm, quiet_check(ctx, kv))
     if not why:
         persist(cm)
         return cm, ""
     held = list(kv.tokens)
+    state = kv.save_state() if held else None
     cm = heal(ctx, kv, cm, why, quiet)
-    if held:
+    if held and not (state and kv.restore_state(held, state)):
         kv.extend(held, want_logits=False)
     return cm, why

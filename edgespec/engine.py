@@ -68,10 +68,12 @@ class Engine:
 
     def _measure_costs(self, quiet: bool, force: bool = False) -> None:
         """The draft model's and the target's cost curves, from the cache or measured (`force`:
-        measured again, replacing the cached ones)."""
+        measured again, replacing the cached ones). The draft model's is read for its time per
+        token only (costmodel.load_or_measure's `one_row`): its first run waits for no curve."""
         c = self.cfg
         if self.draft_ctx is not None:
-            self.draft_cost = curve(self.draft_ctx, self.draft_kv, c.n_gpu_layers_draft, c.rpc_draft, quiet, force)
+            self.draft_cost = curve(self.draft_ctx, self.draft_kv, c.n_gpu_layers_draft, c.rpc_draft, quiet, force,
+                                    one_row=True)
         self.cost: CostModel = curve(self.ctx, self.kv, c.n_gpu_layers, c.rpc, quiet, force)
         self.kv.reset()  # the probes' tokens are no conversation to reuse
 
@@ -81,15 +83,12 @@ class Engine:
         self._measure_costs(quiet, force=True)
 
     def heal_cost(self, quiet: bool = True) -> list[str]:
-        """Between generations (never during one): measure again each cost curve whose online
-        corrections stayed far from 1, else write back what they learned (costmodel.keep_up).
-        Returns why each curve was measured again."""
+        """Between generations (never during one): measure the target's cost curve again where
+        its online corrections stayed far from 1 or it was measured on a busy machine, once the
+        machine is quiet, else write back what they learned (costmodel.keep_up); the draft
+        model's is read for t(1) only and not corrected. Returns why it was measured again."""
         self.cost, why = keep_up(self.ctx, self.kv, self.cost, quiet)
-        whys = [why]
-        if self.draft_ctx is not None:
-            self.draft_cost, why = keep_up(self.draft_ctx, self.draft_kv, self.draft_cost, quiet)
-            whys.append(why)
-        return [w for w in whys if w]
+        return [why] if why else []
 
     # -- exactness (edgespec.exactness) ---------------------------------------------------
 

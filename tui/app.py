@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 from rich.markdown import Markdown as RichMarkdown
@@ -552,11 +553,17 @@ class _NotifyHandler(logging.Handler):
         self.app = app
 
     def emit(self, record: logging.LogRecord) -> None:
-        severity = "warning" if record.levelno >= logging.WARNING else "information"
+        text = record.getMessage()
+        total = getattr(record, "total", None)
+        if total is not None:  # measured progress (a cost curve measured again between turns): the status line
+            left = float(total) - float(record.done)
+            show = partial(self.app.set_status, text + (f" · about {left:.0f} s left" if left > 0 else ""))
+        else:
+            show = partial(self.app.notify, text, severity="warning" if record.levelno >= logging.WARNING else "information")
         try:
-            self.app.call_from_thread(self.app.notify, record.getMessage(), severity=severity)
+            self.app.call_from_thread(show)
         except RuntimeError:  # called from the app's own thread
-            self.app.notify(record.getMessage(), severity=severity)
+            show()
 
 
 def run_app(session: ChatSession) -> int:

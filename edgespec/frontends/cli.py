@@ -15,6 +15,7 @@ from ..errors import EdgespecError
 from ..kvtypes import DEFAULT_KV, KV_TYPES, kv_spec, kv_types
 from ..quants import QUANT_TYPES
 from ..models import CHAT_MODEL
+from .console import LogBars
 from .options import (
     BatchOptions, BenchOptions, ChatOptions, ConvertOptions, DoctorOptions, DraftOptions, GrammarOptions, ModelOptions,
     KernelsOptions, ModelsOptions, PullOptions, QuantizeOptions, RunOptions, SamplingOptions, ServeOptions, TrainOptions,
@@ -730,14 +731,21 @@ def cmd_train(a: TrainOptions) -> int:
 
 
 class _StderrHandler(logging.Handler):
-    """The core's notes (logging), one line each on whatever stderr is at the time."""
+    """The core's notes (logging), one line each on whatever stderr is at the time; measured
+    progress as a bar (console.LogBars)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bars = LogBars()
 
     def emit(self, record: logging.LogRecord) -> None:
         if getattr(record, "progress", False) and not sys.stderr.isatty():
             return  # a note of progress, for a person watching a terminal
         try:
-            sys.stderr.write(f"edgespec: {record.getMessage()}\n")
-            sys.stderr.flush()
+            if LogBars.is_bar(record):
+                self.bars.show(record)
+            else:
+                self.bars.write(f"edgespec: {record.getMessage()}")
         except Exception:
             self.handleError(record)
 

@@ -131,7 +131,8 @@ class ChatSession:
         # a stopped reply is kept: the user sees it, and the next turn builds on it
         self.messages.append({"role": "assistant", "content": reply.text})
         self.total.merge(gen.stats)
-        # between turns: a cost curve that proved far off is measured again, else what its online
-        # correction learned is written back (costmodel.heal, costmodel.persist)
-        self.engine.heal_cost()
+        # between turns: a cost curve that proved far off (or was measured on a busy machine) is
+        # measured again once the machine is quiet, its progress reported (front ends show it),
+        # else what its online correction learned is written back (costmodel.keep_up)
+        self.engine.heal_cost(quiet=False)
         return reply
