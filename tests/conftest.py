@@ -1,4 +1,5 @@
-"""Fixtures on the real embedded models, fetched into the edgespec cache on first use."""
+"""Fixtures on the real embedded models, fetched into the edgespec cache on first use, and on tiny
+synthetic models written at session start (tests/synthetic_tiny.py)."""
 
 import atexit
 import os
@@ -55,6 +56,25 @@ def smol():
 @pytest.fixture(scope="session")
 def smol_pair():
     eng = Engine(EngineConfig(model="smollm2-135m-instruct:q8_0", draft="smollm2-135m-instruct:q4_0", n_ctx=2048, threads=2))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """A tiny target (Q8_0) and its draft model (Q4_0) on SmolLM2's tokenizer, written at session
+    start (tests/synthetic_tiny.py): the algorithm tests' models, milliseconds a completion."""
+    import synthetic_tiny
+
+    from edgespec.models import resolve
+
+    return synthetic_tiny.write_pair(tmp_path_factory.mktemp("tiny"), resolve("smollm2-135m-instruct:q4_0", quiet=True))
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_models):
+    target, draft = tiny_models
+    eng = Engine(EngineConfig(model=str(target), draft=str(draft), n_ctx=512, threads=2))
     yield eng
     eng.close()
 

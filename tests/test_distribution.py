@@ -7,6 +7,13 @@ chi-square goodness-of-fit test compares the completions with it. Drafting is fo
 CPU would decline it (a cost curve under which drafting pays), and the draft model runs with a
 `--spec-draft-p-min` cut: the paths where a drafter could bias the output.
 
+The methods whose drafts come from an algorithm (plain decoding, the draft model and its p-min
+cut, PEARL, the trie, n-grams, auto) sample tiny synthetic models (tests/synthetic_tiny.py: a
+designed bigram core under random layers, run by llama.cpp, a few milliseconds a completion);
+the heads shipped for SmolLM2 (Medusa, EAGLE, MTP, EAGLE-3) sample SmolLM2 itself. Every
+completion keeps the prompt's KV cache (reuse, as a conversation does): it reads the prompt's
+last token and its own few tokens, not the whole prompt again.
+
 Seeded runs use fixed seeds, so their verdicts do not vary between runs; unseeded runs are
 judged at alpha = 1e-4.
 """
@@ -25,10 +32,16 @@ from edgespec.sampling import SamplingConfig, warp
 L = 3  # tokens per completion: the first comes from the prefill, the others from drafted steps
 # Sized by the power the test needs, and no smaller: the textbook bug (a drafted token kept with
 # its own probability p, the rejected case sampled from p again instead of the residual) moves a
-# 0.65/0.32/0.03 position to 0.88/0.11/0.01 (w^2 = 0.23). Over 3-9 pooled outcomes at ALPHA, 150
-# completions catch it with probability 0.79-0.95; 100 would catch it 0.42-0.72 of the time, 75
-# only 0.22-0.48 (scipy.stats.ncx2). Completions cost 70-240 ms each on 2 cores (the prompt read
-# dominates), so these tests are ~8 minutes of the suite's time by what they must show.
+# 0.65/0.32/0.03 position to 0.88/0.11/0.01 (w^2 = 0.23) under a drafter of the likeliest token.
+# On the tiny models (first token 0.69/0.25/0.06, second 0.61/0.36/0.03), 8 pooled outcomes at
+# ALPHA, 150 completions catch the planted bug with probability 0.97 (draft model, PEARL) and
+# 0.99-1.0 (lookahead, n-gram, auto); 100 would catch it 0.75-0.91 of the time, 75 only 0.49-0.70
+# (the bug's output distribution measured from 1,500 completions per method, then
+# scipy.stats.ncx2). The end-token prompt (7 pooled outcomes) catches it 0.46 (draft) and 0.63
+# (PEARL) of the time by itself, and the p-min twin (q = p, where the bug moves least) is there
+# for a cut on the drawn token's own probability, which it catches with probability 0.996.
+# A completion costs 2-20 ms on the tiny models (the prompt's KV cache kept), 75-135 ms with
+# SmolLM2's heads.
 N = 150  # completions per method and seeding
 ALPHA = 1e-4
 CFG = dict(temp=1.0, top_k=3, top_p=1.0, min_p=0.0)
@@ -90,68 +103,99 @@ def completions(make, seeded: bool) -> list[tuple]:
 
 
 def forced(eng, make_drafter, prompt: list[int] | None = None):
-    """Generations under a cost curve on which drafting pays (a GPU-like machine)."""
+    """Generations under a cost curve on which drafting pays (a GPU-like machine), each keeping
+    the prompt's KV cache from the one before."""
     toks = eng.prompt_tokens(PROMPT, raw=True) if prompt is None else prompt
 
     def make(cfg):
-        return eng.generate(toks, L, cfg, make_drafter(cfg))
+        return eng.generate(toks, L, cfg, make_drafter(cfg), reuse=True)
     return make
+
+
+def pearl(eng, prompt: list[int] | None = None):
+    toks = eng.prompt_tokens(PROMPT, raw=True) if prompt is None else prompt
+    return lambda cfg: eng.start(toks, L, cfg, "pearl", reuse=True)
+
+
+def _flat(eng):
+    """`eng` with a flat cost curve, so that every drafter drafts (restored after)."""
+    saved = eng.cost
+    eng.cost = flat(0.05, saved.max_exact_rows)
+    yield eng
+    eng.cost = saved
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_pair):
+    """The tiny pair (a target and its draft model), drafting forced."""
+    yield from _flat(tiny_pair)
 
 
 @pytest.fixture(scope="module")
 def gpu_like(smol_pair):
-    """The pair engine with a flat cost curve, so that every drafter drafts."""
-    saved = smol_pair.cost
-    smol_pair.cost = flat(0.05, saved.max_exact_rows)
-    yield smol_pair
-    smol_pair.cost = saved
+    """The SmolLM2 pair, drafting forced: for the heads shipped for it."""
+    yield from _flat(smol_pair)
 
 
 @pytest.fixture(scope="module")
-def twin():
-    """The target as its own draft model (q = p): where a biased draft length shows the most."""
-    eng = Engine(EngineConfig(model="smollm2-135m-instruct:q8_0", draft="smollm2-135m-instruct:q8_0", n_ctx=512,
-                              threads=2))
+def twin(tiny_models):
+    """The tiny target as its own draft model (q = p): where a biased draft length shows the most."""
+    target, _ = tiny_models
+    eng = Engine(EngineConfig(model=str(target), draft=str(target), n_ctx=512, threads=2))
     eng.cost = flat(0.05, eng.cost.max_exact_rows)
     yield eng
     eng.close()
 
 
 @pytest.fixture(scope="module")
-def expected(gpu_like):
-    return exact_distribution(gpu_like, gpu_like.prompt_tokens(PROMPT, raw=True), SamplingConfig(**CFG))
+def expected_of():
+    """The exact distribution of PROMPT's completions on an engine's target (computed once)."""
+    done = {}
+
+    def get(eng):
+        if id(eng) not in done:
+            done[id(eng)] = exact_distribution(eng, eng.prompt_tokens(PROMPT, raw=True), SamplingConfig(**CFG))
+        return done[id(eng)]
+    return get
 
 
 def p_min_drafter(eng):
-    """The draft model with a --spec-draft-p-min cut: at the second token the likeliest of the
-    top three (p = 0.65) passes it and the others (0.32, 0.03) do not."""
+    """The draft model with a --spec-draft-p-min cut of 0.5 (the target as its draft): at the
+    second token (after " blue" or " yellow") the likeliest of the top three (".", p 0.77-0.80)
+    passes it and the others ("," 0.15-0.19, " and" 0.03-0.04) do not, so a cut on the drawn
+    token's probability instead of the top one's would keep only "."."""
     return lambda cfg: DraftModelDrafter(eng.draft_model, eng.draft_kv, 8, 0, 0.5, cfg.seed,
                                          t_token=eng.draft_cost.t(1))
 
 
+# method: (the engine fixture it samples, the generations it starts)
 METHODS = {
-    "none": lambda eng: forced(eng, lambda cfg: eng.make_drafter("none")),
-    "draft-p-min": lambda eng: forced(eng, p_min_drafter(eng)),
-    "draft": lambda eng: forced(eng, lambda cfg: eng.make_drafter("draft", cfg.seed)),
-    "auto": lambda eng: forced(eng, lambda cfg: eng.make_drafter("auto", cfg.seed)),
-    "lookahead": lambda eng: forced(eng, lambda cfg: eng.make_drafter("lookahead")),
-    "ngram": lambda eng: forced(eng, lambda cfg: eng.make_drafter("ngram")),
-    "pearl": lambda eng: lambda cfg: eng.start(eng.prompt_tokens(PROMPT, raw=True), L, cfg, "pearl"),
+    "none": ("tiny", lambda eng: forced(eng, lambda cfg: eng.make_drafter("none"))),
+    "draft-p-min": ("twin", lambda eng: forced(eng, p_min_drafter(eng))),
+    "draft": ("tiny", lambda eng: forced(eng, lambda cfg: eng.make_drafter("draft", cfg.seed))),
+    "auto": ("tiny", lambda eng: forced(eng, lambda cfg: eng.make_drafter("auto", cfg.seed))),
+    "lookahead": ("tiny", lambda eng: forced(eng, lambda cfg: eng.make_drafter("lookahead"))),
+    "ngram": ("tiny", lambda eng: forced(eng, lambda cfg: eng.make_drafter("ngram"))),
+    "pearl": ("tiny", pearl),
     # the heads shipped for SmolLM2 (trees drafted from the target's hidden states)
-    "medusa": lambda eng: forced(eng, lambda cfg: eng.make_drafter("medusa")),
-    "eagle": lambda eng: forced(eng, lambda cfg: eng.make_drafter("eagle")),
-    "mtp": lambda eng: forced(eng, lambda cfg: eng.make_drafter("mtp")),
-    "eagle3": lambda eng: forced(eng, lambda cfg: eng.make_drafter("eagle3")),  # llama.cpp's graph
+    "medusa": ("gpu_like", lambda eng: forced(eng, lambda cfg: eng.make_drafter("medusa"))),
+    "eagle": ("gpu_like", lambda eng: forced(eng, lambda cfg: eng.make_drafter("eagle"))),
+    "mtp": ("gpu_like", lambda eng: forced(eng, lambda cfg: eng.make_drafter("mtp"))),
+    "eagle3": ("gpu_like", lambda eng: forced(eng, lambda cfg: eng.make_drafter("eagle3"))),  # llama.cpp's graph
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_sampled_output_is_the_target_distribution(gpu_like, twin, expected, method, seeded):
+def test_sampled_output_is_the_target_distribution(request, expected_of, method, seeded):
+    where, make = METHODS[method]
+    eng = request.getfixturevalue(where)
+    # the p-min cut's twin has the tiny target for its target: the same distribution
+    expected = expected_of(request.getfixturevalue("tiny") if where == "twin" else eng)
     assert 0.999 < sum(expected.values()) < 1.001
     assert len(expected) >= 6 and max(expected.values()) < 0.8, "the test needs a distribution to compare"
-    samples = completions(METHODS[method](twin if method == "draft-p-min" else gpu_like), seeded)
+    samples = completions(make(eng), seeded)
     p = gof(samples, expected)
     assert p > ALPHA, f"{method} ({'seeded' if seeded else 'unseeded'}): chi-square p = {p:.3g} over {N} completions"
 
@@ -173,18 +217,18 @@ EOG_PROMPT = "Reply with the single word: yes"
 EOG_METHODS = {
     "draft": lambda eng, toks: forced(eng, lambda cfg: eng.make_drafter("draft", cfg.seed), toks),
     "lookahead": lambda eng, toks: forced(eng, lambda cfg: eng.make_drafter("lookahead"), toks),
-    "pearl": lambda eng, toks: lambda cfg: eng.start(toks, L, cfg, "pearl"),
+    "pearl": pearl,
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 @pytest.mark.parametrize("method", list(EOG_METHODS))
-def test_sampled_output_with_drafts_ending_at_the_end_token(gpu_like, method, seeded):
-    toks = gpu_like.prompt_tokens(EOG_PROMPT)
-    expected = exact_distribution(gpu_like, toks, SamplingConfig(**CFG))
+def test_sampled_output_with_drafts_ending_at_the_end_token(tiny, method, seeded):
+    toks = tiny.prompt_tokens(EOG_PROMPT)
+    expected = exact_distribution(tiny, toks, SamplingConfig(**CFG))
     assert sum(p for k, p in expected.items() if len(k) < L) > 0.1, "the test needs answers that end early"
-    samples = completions(EOG_METHODS[method](gpu_like, toks), seeded)
+    samples = completions(EOG_METHODS[method](tiny, toks), seeded)
     assert any(len(s) < L for s in samples)
     p = gof(samples, expected)
     assert p > ALPHA, f"{method} ({'seeded' if seeded else 'unseeded'}): chi-square p = {p:.3g} over {N} completions"

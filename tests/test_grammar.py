@@ -212,11 +212,13 @@ def constrained_distribution(eng, prompt, grammar, cfg):
 
 
 @pytest.fixture(scope="module")
-def forced_pair(smol_pair):
-    saved = smol_pair.cost
-    smol_pair.cost = flat(0.05, saved.max_exact_rows)
-    yield smol_pair
-    smol_pair.cost = saved
+def forced_pair(tiny_pair):
+    """The tiny pair (tests/synthetic_tiny.py: the colours are its likeliest tokens after a
+    comma), drafting forced."""
+    saved = tiny_pair.cost
+    tiny_pair.cost = flat(0.05, saved.max_exact_rows)
+    yield tiny_pair
+    tiny_pair.cost = saved
 
 
 @pytest.mark.slow
@@ -231,7 +233,7 @@ def test_sampled_constrained_output_is_the_constrained_distribution(forced_pair,
     for i in range(N):
         cfg = make_sampling(**CFG, seed=2000 + i, grammar=PICK)
         d = forced_draft_model(eng, cfg.seed) if method == "draft" else eng.make_drafter(method, cfg.seed)
-        g = eng.generate(toks, L, cfg, d).run()
+        g = eng.generate(toks, L, cfg, d, reuse=True).run()  # the prompt's KV cache kept
         samples.append(tuple(g.tokens))
     p = gof(samples, expected)
     assert p > ALPHA, f"{method}: chi-square p = {p:.3g} over {N} completions ({Counter(samples).most_common(4)})"

@@ -52,11 +52,17 @@ def servers():
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """A cache of the test's own for the cost curves measured over these servers (their ports
-    change every run), with the models of the real one."""
+    change every run), with the models of the real one and the session's curves measured so far
+    (the local setups' are not measured again)."""
+    import shutil
+
+    from edgespec.costmodel import COSTS_FILE
     from edgespec.models import cache_root
 
     d = tmp_path_factory.mktemp("cache")
     os.symlink(cache_root() / "models", d / "models")
+    if (cache_root() / COSTS_FILE).exists():
+        shutil.copy(cache_root() / COSTS_FILE, d / COSTS_FILE)
     return d
 
 
