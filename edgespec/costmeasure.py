@@ -279,7 +279,7 @@ class _Pass:
                     if d != 0.0:
                         inexact.add(k)
                 kv.truncate(base)
-                self.meter.note(f"{self.name}: verifying {k} rows (pass {rep + 1})")
+                self.meter.note(f"{self.name}: verifying {k} row{'s' if k > 1 else ''} (pass {rep + 1})")
         limit = 1
         for k in self.probed:
             if k in inexact:
