@@ -171,9 +171,22 @@ def _read(p: Path, size: int) -> GGUFInfo:
 _META_TYPES = {4: "gguf_get_val_u32", 5: "gguf_get_val_i32", 6: "gguf_get_val_f32", 7: "gguf_get_val_bool"}
 
 
+_meta_cache: dict[tuple, dict] = {}
+
+
 def read_meta(path: str | os.PathLike, prefixes: tuple[str, ...]) -> dict:
     """The string, integer, float and bool values of the keys that start with one of `prefixes`
-    (arrays are left out), read with ggml's parser in milliseconds."""
+    (arrays are left out), read with ggml's parser in milliseconds; cached per file version (a
+    server's drafter for each request reads its heads' metadata from here, not from disk)."""
+    p = check_file(path)
+    st = p.stat()
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns, tuple(prefixes))
+    if key not in _meta_cache:
+        _meta_cache[key] = _read_meta(p, tuple(prefixes))
+    return dict(_meta_cache[key])
+
+
+def _read_meta(p: Path, prefixes: tuple[str, ...]) -> dict:
     lib = _ggml()
     if not hasattr(lib, "_meta_bound"):
         i64, p = ctypes.c_int64, ctypes.c_void_p
@@ -186,7 +199,6 @@ def read_meta(path: str | os.PathLike, prefixes: tuple[str, ...]) -> dict:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
         lib._meta_bound = True
-    p = check_file(path)
     ctx, said = _open(p)
     if not ctx:
         raise ModelError(f"cannot read {p}: {said.splitlines()[-1] if said else 'not a GGUF header'}")

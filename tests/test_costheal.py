@@ -170,7 +170,7 @@ def test_the_first_measurement_reports_its_progress_and_the_probe(smol):
 
 
 def _run(env, n, prompt=LONG):
-    cmd = [sys.executable, "-m", "edgespec", "run", "-m", "smollm2-135m-instruct:q4_0", "-t", "1", "-c", "2048",
+    cmd = [sys.executable, "-m", "edgespec", "run", "-m", "smollm2-135m-instruct:q4_0", "-t", "2", "-c", "2048",
            "--json", "--spec", "lookahead", "-n", str(n), "-p", prompt]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -190,20 +190,42 @@ def _rate(cm: CostModel, p: float, n: int) -> float:
     return (1 + sum(p ** i for i in range(1, n + 1))) / cm.t(1 + n, 600)
 
 
-@pytest.mark.slow
-def test_a_poisoned_curve_heals_within_two_runs(tmp_path):
-    """Each `edgespec run` a process of its own, as users run it. Run 1 measures the curve; it is
-    then poisoned as a busy machine leaves it (every k >= 2 2.5x too dear, attention 10x). Run 2
-    generates with it and writes back what its online correction learned; run 3 loads it, finds
-    it far off and measures it again before generating: its drafting sizes are those of a clean
-    curve again."""
-    cache = tmp_path / "cache"
+def _stats(env, prompt=LONG, n=96):
+    """A lookahead run's stats on a copy-heavy prompt (the answer repeats lines of it)."""
+    cmd = [sys.executable, "-m", "edgespec", "run", "-m", "smollm2-135m-instruct:q4_0", "-t", "2", "--json",
+           "--spec", "lookahead", "-n", str(n), "-p", prompt]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["stats"]
+
+
+def _cache(tmp_path, name):
+    cache = tmp_path / name
     cache.mkdir()
     os.symlink(cache_root() / "models", cache / "models")
-    env = {**os.environ, "EDGESPEC_CACHE": str(cache)}
-    costs = cache / "costs.json"
-    _run(env, 1)
-    (key, clean_rec), = json.loads(costs.read_text()).items()
+    return {**os.environ, "EDGESPEC_CACHE": str(cache)}, cache / "costs.json"
+
+
+@pytest.fixture(scope="module")
+def quiet_run(tmp_path_factory):
+    """Run 1 of both tests below: a lookahead `edgespec run` on the copy-heavy prompt in an empty
+    cache, its curve measured at load on the quiet machine: (its stats, the curve's key, the
+    curve's record)."""
+    env, costs = _cache(tmp_path_factory.mktemp("quiet"), "cache")
+    stats = _stats(env)
+    (key, rec), = json.loads(costs.read_text()).items()
+    return stats, key, rec
+
+
+@pytest.mark.slow
+def test_a_poisoned_curve_heals_within_two_runs(tmp_path, quiet_run):
+    """Each `edgespec run` a process of its own, as users run it. The curve a quiet run measured
+    (run 1, `quiet_run`) is poisoned as a busy machine leaves it (every k >= 2 2.5x too dear,
+    attention 10x). Run 2 generates with it and writes back what its online correction learned;
+    run 3 loads it, finds it far off and measures it again before generating: its drafting sizes
+    are those of a clean curve again."""
+    env, costs = _cache(tmp_path, "cache")
+    _, key, clean_rec = quiet_run
     clean = CostModel.from_dict(clean_rec)
     poisoned = dict(clean_rec, ms=[ms * (2.5 if k >= 2 else 1.0) for k, ms in zip(clean_rec["k"], clean_rec["ms"])],
                     attn_us_per_row_per_token=clean_rec["attn_us_per_row_per_token"] * 10,
@@ -234,24 +256,8 @@ def test_a_poisoned_curve_heals_within_two_runs(tmp_path):
         assert _rate(clean, p, h) >= 0.9 * _rate(clean, p, c), (p, h, c, _sizes(bad))
 
 
-def _stats(env, prompt=LONG, n=96):
-    """A lookahead run's stats on a copy-heavy prompt (the answer repeats lines of it)."""
-    cmd = [sys.executable, "-m", "edgespec", "run", "-m", "smollm2-135m-instruct:q4_0", "-t", "2", "--json",
-           "--spec", "lookahead", "-n", str(n), "-p", prompt]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)["stats"]
-
-
-def _cache(tmp_path, name):
-    cache = tmp_path / name
-    cache.mkdir()
-    os.symlink(cache_root() / "models", cache / "models")
-    return {**os.environ, "EDGESPEC_CACHE": str(cache)}, cache / "costs.json"
-
-
 @pytest.mark.slow
-def test_a_curve_measured_busy_drafts_from_the_first_quiet_run(tmp_path):
+def test_a_curve_measured_busy_drafts_from_the_first_quiet_run(tmp_path, quiet_run):
     """Issue 46: the curve measured while busy loops hold every core; the loops stopped; then
     each `edgespec run` (a process of its own) on a copy-heavy prompt drafts, from the first
     one (its curve measured again at load: the machine is quiet now), and gets as many tokens
@@ -269,8 +275,7 @@ def test_a_curve_measured_busy_drafts_from_the_first_quiet_run(tmp_path):
     (busy_rec,) = json.loads(costs.read_text()).values()
     if busy_rec["cpu_share"] >= QUIET_SHARE:
         pytest.skip(f"busy loops left the measurement {busy_rec['cpu_share']:.0%} of the CPU (more cores than loops)")
-    quiet_env, _ = _cache(tmp_path, "quiet")
-    quiet = _stats(quiet_env)
+    quiet = quiet_run[0]
     assert quiet["n_drafted"] > 0
     runs = [_stats(busy_env) for _ in range(2)]
     (healed,) = json.loads(costs.read_text()).values()
