@@ -189,13 +189,13 @@ def read_meta(path: str | os.PathLike, prefixes: tuple[str, ...]) -> dict:
 def _read_meta(p: Path, prefixes: tuple[str, ...]) -> dict:
     lib = _ggml()
     if not hasattr(lib, "_meta_bound"):
-        i64, p = ctypes.c_int64, ctypes.c_void_p
-        for name, res, args in (("gguf_get_n_kv", i64, [p]), ("gguf_get_key", ctypes.c_char_p, [p, i64]),
-                                ("gguf_get_kv_type", ctypes.c_int, [p, i64]),
-                                ("gguf_get_val_u32", ctypes.c_uint32, [p, i64]),
-                                ("gguf_get_val_i32", ctypes.c_int32, [p, i64]),
-                                ("gguf_get_val_f32", ctypes.c_float, [p, i64]),
-                                ("gguf_get_val_bool", ctypes.c_bool, [p, i64])):
+        i64, vp = ctypes.c_int64, ctypes.c_void_p
+        for name, res, args in (("gguf_get_n_kv", i64, [vp]), ("gguf_get_key", ctypes.c_char_p, [vp, i64]),
+                                ("gguf_get_kv_type", ctypes.c_int, [vp, i64]),
+                                ("gguf_get_val_u32", ctypes.c_uint32, [vp, i64]),
+                                ("gguf_get_val_i32", ctypes.c_int32, [vp, i64]),
+                                ("gguf_get_val_f32", ctypes.c_float, [vp, i64]),
+                                ("gguf_get_val_bool", ctypes.c_bool, [vp, i64])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
         lib._meta_bound = True

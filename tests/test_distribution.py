@@ -40,7 +40,7 @@ L = 3  # tokens per completion: the first comes from the prefill, the others fro
 # scipy.stats.ncx2). The end-token prompt (7 pooled outcomes) catches it 0.46 (draft) and 0.63
 # (PEARL) of the time by itself, and the p-min twin (q = p, where the bug moves least) is there
 # for a cut on the drawn token's own probability, which it catches with probability 0.996.
-# A completion costs 2-20 ms on the tiny models (the prompt's KV cache kept), 75-90 ms with
+# A completion costs 2-20 ms on the tiny models (the prompt's KV cache kept), 45-70 ms with
 # SmolLM2's heads.
 N = 150  # completions per method and seeding
 ALPHA = 1e-4
@@ -133,11 +133,12 @@ def tiny(tiny_pair):
 
 
 @pytest.fixture(scope="module")
-def gpu_like(smol_pair):
-    """The SmolLM2 pair, drafting forced: for the heads shipped for it. Trees of up to 8 rows: a
+def gpu_like(smol):
+    """SmolLM2 (Q4_0), drafting forced: for the heads shipped for it. Trees of up to 8 rows: a
     completion of L = 3 tokens keeps at most 2 drafted ones, and a 32-row tree costs 1.6x the
-    time per completion (medusa 134 against 81 ms) for nodes no completion reaches."""
-    yield from _flat(smol_pair, 8)
+    time per completion (medusa on the Q8_0 file: 134 against 81 ms) for nodes no completion
+    reaches."""
+    yield from _flat(smol, 8)
 
 
 @pytest.fixture(scope="module")
