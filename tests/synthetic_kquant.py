@@ -16,6 +16,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from synthetic_gguf import llama_like_writer
+
 ARCH = "llama"
 N_EMBD = 256
 N_HEAD = 4
@@ -34,18 +36,8 @@ def write_f32(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:
     def w(*shape: int, scale: float = 0.06) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)  # numpy (out, in) = ggml {in, out}
 
-    wr = gguf.GGUFWriter(str(path), ARCH)
-    wr.add_uint32(f"{ARCH}.context_length", N_CTX)
-    wr.add_uint32(f"{ARCH}.embedding_length", N_EMBD)
-    wr.add_uint32(f"{ARCH}.block_count", n_layer)
-    wr.add_uint32(f"{ARCH}.feed_forward_length", N_FF)
-    wr.add_uint32(f"{ARCH}.attention.head_count", N_HEAD)
-    wr.add_uint32(f"{ARCH}.attention.head_count_kv", N_HEAD_KV)
-    wr.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", 1e-5)
-    wr.add_float32(f"{ARCH}.rope.freq_base", 10000.0)
-    wr.add_uint32(f"{ARCH}.rope.dimension_count", HEAD_DIM)
-    wr.add_uint32(f"{ARCH}.vocab_size", N_VOCAB)
-    wr.add_uint32("general.file_type", 0)
+    wr = llama_like_writer(path, ARCH, n_ctx=N_CTX, n_embd=N_EMBD, n_layer=n_layer, n_ff=N_FF, n_head=N_HEAD,
+                           n_head_kv=N_HEAD_KV, head_dim=HEAD_DIM, n_vocab=N_VOCAB)
     wr.add_key_value("tokenizer.ggml.model", "test", gguf.GGUFValueType.STRING)
     wr.add_key_value("tokenizer.ggml.tokens", [f"tok_{i}" for i in range(N_VOCAB)], gguf.GGUFValueType.ARRAY,
                      sub_type=gguf.GGUFValueType.STRING)

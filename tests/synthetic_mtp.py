@@ -25,6 +25,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from synthetic_gguf import llama_like_writer
+
 ARCH = "mimo2"
 N_EMBD = 64
 N_HEAD = 2
@@ -80,24 +82,14 @@ def write_mimo2_mtp(path: str | Path, vocab_from: str | Path | None = None, seed
         return np.zeros(shape, np.float32)
 
     n_all = n_layer + n_nextn
-    wr = gguf.GGUFWriter(str(path), ARCH)
-    wr.add_uint32(f"{ARCH}.context_length", N_CTX)
-    wr.add_uint32(f"{ARCH}.embedding_length", N_EMBD)
-    wr.add_uint32(f"{ARCH}.block_count", n_all)  # trunk + nextn blocks
-    wr.add_uint32(f"{ARCH}.feed_forward_length", N_FF)
-    wr.add_uint32(f"{ARCH}.attention.head_count", N_HEAD)
-    wr.add_uint32(f"{ARCH}.attention.head_count_kv", N_HEAD_KV)
+    wr = llama_like_writer(path, ARCH, n_ctx=N_CTX, n_embd=N_EMBD, n_layer=n_all,  # trunk + nextn blocks
+                           n_ff=N_FF, n_head=N_HEAD, n_head_kv=N_HEAD_KV, head_dim=HEAD_DIM, n_vocab=n_vocab)
     wr.add_uint32(f"{ARCH}.attention.key_length", HEAD_DIM)
     wr.add_uint32(f"{ARCH}.attention.value_length", HEAD_DIM)
-    wr.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", 1e-5)
-    wr.add_float32(f"{ARCH}.rope.freq_base", 10000.0)
-    wr.add_uint32(f"{ARCH}.rope.dimension_count", HEAD_DIM)
-    wr.add_uint32(f"{ARCH}.vocab_size", n_vocab)
     wr.add_uint32(f"{ARCH}.expert_feed_forward_length", N_FF)  # required even when dense
     wr.add_uint32(f"{ARCH}.attention.sliding_window", 128)
     wr.add_array(f"{ARCH}.attention.sliding_window_pattern", [1, 0] * (n_layer // 2) + [1] * (n_layer % 2 + n_nextn))
     wr.add_uint32(f"{ARCH}.nextn_predict_layers", n_nextn)
-    wr.add_uint32("general.file_type", 0)
     for key, val, vtype, sub in tok_fields:
         if vtype == gguf.GGUFValueType.ARRAY:
             wr.add_key_value(key, val, vtype, sub_type=sub)

@@ -30,6 +30,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from synthetic_gguf import llama_like_writer
 from synthetic_mtp import _tokenizer_from
 
 ARCH = "llama"
@@ -119,18 +120,8 @@ def write(path: str | Path, vocab_from: str | Path, seed: int = 0, sharpen: floa
         m[ctx] = w(d - N_DIRS, n_in, scale=scale)
         return m
 
-    wr = gguf.GGUFWriter(str(path), ARCH)
-    wr.add_uint32(f"{ARCH}.context_length", N_CTX)
-    wr.add_uint32(f"{ARCH}.embedding_length", d)
-    wr.add_uint32(f"{ARCH}.block_count", N_LAYER)
-    wr.add_uint32(f"{ARCH}.feed_forward_length", N_FF)
-    wr.add_uint32(f"{ARCH}.attention.head_count", N_HEAD)
-    wr.add_uint32(f"{ARCH}.attention.head_count_kv", N_HEAD_KV)
-    wr.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", 1e-5)
-    wr.add_float32(f"{ARCH}.rope.freq_base", 10000.0)
-    wr.add_uint32(f"{ARCH}.rope.dimension_count", HEAD_DIM)
-    wr.add_uint32(f"{ARCH}.vocab_size", n_vocab)
-    wr.add_uint32("general.file_type", 0)
+    wr = llama_like_writer(path, ARCH, n_ctx=N_CTX, n_embd=d, n_layer=N_LAYER, n_ff=N_FF, n_head=N_HEAD,
+                           n_head_kv=N_HEAD_KV, head_dim=HEAD_DIM, n_vocab=n_vocab)
     wr.add_string("general.name", path.stem)
     for key, val, vtype, sub in fields:
         if vtype == gguf.GGUFValueType.ARRAY:

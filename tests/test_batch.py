@@ -322,10 +322,11 @@ def test_sigterm_stops_keeping_finished_results(tmp_path):
 
 @pytest.mark.slow
 def test_parallel_equals_one_at_a_time_with_sliding_window_attention():
-    """Gemma 3 (sliding-window layers) in per-sequence KV streams."""
+    """Gemma 3 (sliding-window layers) in per-sequence KV streams; its Q4_K_M file (K-quant
+    weights: the probe's rows cap every decode), whose cost curve test_lossless uses too."""
     from edgespec.engine import Engine, EngineConfig
 
-    eng = Engine(EngineConfig(model="gemma3-270m:q4_0", n_ctx=1024, threads=2, max_branches=1))
+    eng = Engine(EngineConfig(model="gemma3-270m", n_ctx=1024, threads=2, max_branches=1))
     try:
         reqs = read_requests([line({"custom_id": f"g{i}", "body": {"prompt": p, "max_tokens": 40}}) for i, p in
                               enumerate(["def fibonacci(n):", "List of prime numbers: 2, 3, 5, 7,",

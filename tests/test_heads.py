@@ -134,6 +134,9 @@ def drafter_for(eng, kind, path):
     return EagleDrafter(EagleHead(hf, tw, eng.n_ctx_seq))
 
 
+_PLAIN: dict[str, list[int]] = {}  # plain greedy output of PROMPTS[:4] on the session's `smol`
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_heads_greedy_identical_with_trees(smol, heads_files, kind):
@@ -146,7 +149,9 @@ def test_heads_greedy_identical_with_trees(smol, heads_files, kind):
         branches = 0
         for text in PROMPTS[:4]:
             prompt = smol.prompt_tokens(text)
-            plain = smol.start(prompt, 48, GREEDY, "none").run().tokens
+            if text not in _PLAIN:  # the same for both kinds: plain decoding once per prompt
+                _PLAIN[text] = smol.start(prompt, 48, GREEDY, "none").run().tokens
+            plain = _PLAIN[text]
             spy = Spy(drafter_for(smol, kind, heads_files[kind]))
             gen = smol.generate(prompt, 48, GREEDY, spy).run()
             assert gen.tokens == plain, f"{kind} differs from plain on {text[:30]!r}"
