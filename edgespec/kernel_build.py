@@ -24,7 +24,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the pinned version (pyproject.toml): its vendored llama.cpp is ggml-org/llama.cpp@0c1e57098
@@ -33,6 +32,7 @@ LIB = "libggml-cpu.so.0"
 MANIFEST = "build.json"
 PATCH_DIR = Path(__file__).resolve().parent / "patches"
 SKIP_ENV = "EDGESPEC_KERNELS_BUILD"  # "0": setup.py builds nothing (stock kernels)
+SDIST_ENV = "EDGESPEC_SDIST"  # a local copy of the sdist, used instead of the index
 # Backends other than the CPU are built by llama-cpp-python itself; configuring them here would only
 # need their toolkits. A CMAKE_ARGS that turns one on keeps it on for llama-cpp-python, off here.
 _OTHER_BACKENDS = ("CUDA", "METAL", "VULKAN", "HIP", "SYCL", "MUSA", "OPENCL", "RPC", "BLAS", "CANN", "WEBGPU",
@@ -51,10 +51,10 @@ def patches() -> list[Path]:
     return sorted(PATCH_DIR.glob("*.patch"))
 
 
-def patch_digest() -> str:
+def patch_digest(chosen: list[Path] | None = None) -> str:
     """What identifies the patch set: a build made from other patches is not loaded."""
     h = hashlib.sha256()
-    for p in patches():
+    for p in patches() if chosen is None else chosen:
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
@@ -75,53 +75,39 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "edgespec-build"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _pypi_fetch():
+    """edgespec/pypi_fetch.py, also when this module was loaded by path (setup.py)."""
+    if __package__:
+        from . import pypi_fetch
+        return pypi_fetch
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_edgespec_pypi_fetch", Path(__file__).with_name("pypi_fetch.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def fetch_sdist(log) -> Path:
-    """The llama-cpp-python sdist, verified: from the cache, else through pip, else from PyPI."""
+    """The llama-cpp-python sdist, verified against its pinned sha256 before anything reads it:
+    `EDGESPEC_SDIST` (a local copy, for machines without an index), the cache, else the index pip
+    is configured for (edgespec/pypi_fetch.py: fetched as a file, nothing of it run)."""
     name = f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
-    folder = cache_dir() / "sdist"
-    path = folder / name
-    if path.is_file() and _sha256(path) == SDIST_SHA256:
+    pf = _pypi_fetch()
+    local = os.environ.get(SDIST_ENV)
+    if local:
+        if not Path(local).is_file() or pf.sha256(Path(local)) != SDIST_SHA256:
+            raise BuildError(f"{SDIST_ENV}={local} is not llama-cpp-python {LLAMA_CPP_PYTHON}'s sdist "
+                             f"(sha256 {SDIST_SHA256[:12]}...)")
+        return Path(local)
+    path = cache_dir() / "sdist" / name
+    if path.is_file() and pf.sha256(path) == SDIST_SHA256:
         return path
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="sdist-", dir=folder))
+    log(f"fetching the llama.cpp source (llama-cpp-python {LLAMA_CPP_PYTHON} sdist, 77 MB)")
     try:
-        log(f"fetching the llama.cpp source (llama-cpp-python {LLAMA_CPP_PYTHON} sdist, 77 MB)")
-        # pip's isolated build environment (setup.py runs in one) hides the venv's packages through
-        # PYTHONPATH/PYTHONNOUSERSITE: a child without them sees pip again, with the user's settings.
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                            f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(tmp)],
-                           capture_output=True, text=True, env=env)
-        got = tmp / name
-        if r.returncode != 0 or not got.is_file():
-            url = _pypi_url()
-            with urllib.request.urlopen(url, timeout=60) as resp, open(got, "wb") as f:
-                shutil.copyfileobj(resp, f)
-        if _sha256(got) != SDIST_SHA256:
-            raise BuildError(f"the downloaded {name} does not match its pinned sha256")
-        os.replace(got, path)
-        return path
-    except OSError as e:
-        raise BuildError(f"cannot fetch the llama-cpp-python {LLAMA_CPP_PYTHON} source: {e}") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _pypi_url() -> str:
-    with urllib.request.urlopen(f"https://pypi.org/pypi/llama-cpp-python/{LLAMA_CPP_PYTHON}/json", timeout=30) as r:
-        data = json.load(r)
-    for u in data.get("urls", []):
-        if u.get("packagetype") == "sdist":
-            return u["url"]
-    raise BuildError(f"PyPI lists no sdist of llama-cpp-python {LLAMA_CPP_PYTHON}")
+        return pf.fetch("llama-cpp-python", name, SDIST_SHA256, path)
+    except (pf.FetchError, OSError) as e:
+        raise BuildError(f"cannot fetch the llama.cpp source: {e}; offline, set {SDIST_ENV} to a copy of {name}") from e
 
 
 def extract(sdist: Path, dest: Path) -> Path:
@@ -137,12 +123,15 @@ def extract(sdist: Path, dest: Path) -> Path:
                 continue
             m.name = rel
             members.append(m)
-        tar.extractall(dest, members=members)
+        if hasattr(tarfile, "data_filter"):  # refuses links and modes that reach outside `dest`
+            tar.extractall(dest, members=members, filter="data")
+        else:
+            tar.extractall(dest, members=members)
     return dest
 
 
-def apply_patches(src: Path) -> None:
-    for p in patches():
+def apply_patches(src: Path, chosen: list[Path] | None = None) -> None:
+    for p in patches() if chosen is None else chosen:
         for cmd in (["patch", "-p1", "--forward", "--batch", "-s", "-i", str(p)], ["git", "apply", "-p1", str(p)]):
             if shutil.which(cmd[0]) is None:
                 continue
@@ -158,7 +147,8 @@ def apply_patches(src: Path) -> None:
 def cmake_args(env: dict | None = None) -> list[str]:
     """llama-cpp-python's build settings as CMake arguments: a Release build of shared libraries
     with the user's `CMAKE_ARGS` (GGML_NATIVE and the instruction sets, as llama-cpp-python took them),
-    other backends off."""
+    other backends off. The library's only search path is its own folder (`$ORIGIN`): CMake's
+    default build RPATH names the build's temporary folder, which anyone could recreate."""
     env = os.environ if env is None else env
     user = shlex.split(env.get("CMAKE_ARGS", ""))
     if any(re.fullmatch(r"-DGGML_BACKEND_DL(:BOOL)?=(ON|on|1|TRUE|true)", a) for a in user):
@@ -166,18 +156,107 @@ def cmake_args(env: dict | None = None) -> list[str]:
                          "kernels replace a linked ggml-cpu only")
     return (["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-             "-DLLAMA_BUILD_COMMON=OFF"] + user + [f"-DGGML_{b}=OFF" for b in _OTHER_BACKENDS])
+             "-DLLAMA_BUILD_COMMON=OFF", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"] + user
+            + [f"-DGGML_{b}=OFF" for b in _OTHER_BACKENDS]
+            + ["-DCMAKE_SKIP_BUILD_RPATH=OFF", "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN"])
+
+
+BUILD_TIMEOUT = 3600  # seconds for each of configure and compile: a stuck toolchain ends, stock kernels run
 
 
 def _run(cmd: list[str], cwd: Path, what: str) -> None:
-    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    try:
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        raise BuildError(f"{what} did not finish in {BUILD_TIMEOUT} s") from e
     if r.returncode != 0:
         tail = "\n".join((r.stdout + r.stderr).splitlines()[-30:])
         raise BuildError(f"{what} failed (exit {r.returncode})", tail)
 
 
-def build(dest: Path, log=lambda msg: None, jobs: int | None = None) -> dict:
-    """Build the patched `ggml-cpu` into `dest` (LIB and MANIFEST); returns the manifest."""
+# The compiler's predefined macros for x86 instruction-set extensions, and the name /proc/cpuinfo
+# gives each: what a build needs of the CPU that runs it.
+_ISA_MACROS = {
+    "__SSE3__": "pni", "__SSSE3__": "ssse3", "__SSE4_1__": "sse4_1", "__SSE4_2__": "sse4_2", "__POPCNT__": "popcnt",
+    "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__BMI__": "bmi1", "__BMI2__": "bmi2",
+    "__AVXVNNI__": "avx_vnni", "__AVX512F__": "avx512f", "__AVX512CD__": "avx512cd", "__AVX512BW__": "avx512bw",
+    "__AVX512DQ__": "avx512dq", "__AVX512VL__": "avx512vl", "__AVX512VBMI__": "avx512vbmi",
+    "__AVX512VBMI2__": "avx512_vbmi2", "__AVX512VNNI__": "avx512_vnni", "__AVX512BF16__": "avx512_bf16",
+    "__AVX512FP16__": "avx512_fp16", "__AVX512IFMA__": "avx512ifma", "__AVX512BITALG__": "avx512_bitalg",
+    "__AVX512VPOPCNTDQ__": "avx512_vpopcntdq", "__AMX_TILE__": "amx_tile", "__AMX_INT8__": "amx_int8",
+    "__AMX_BF16__": "amx_bf16", "__GFNI__": "gfni", "__VAES__": "vaes", "__VPCLMULQDQ__": "vpclmulqdq",
+}
+
+
+def isa_of(build: Path) -> list[str]:
+    """The x86 extensions the compiled ggml-cpu uses, read from how CMake compiled it: its -m/-march
+    flags given to the same compiler, which names what they enable."""
+    try:
+        commands = json.loads((build / "compile_commands.json").read_text())
+    except (OSError, ValueError) as e:
+        raise BuildError(f"the build left no readable compile_commands.json: {e}") from e
+    entry = next((c for c in commands if c.get("file", "").endswith("ggml-cpu/ggml-cpu.c")), None)
+    if entry is None:
+        raise BuildError("compile_commands.json does not name ggml-cpu.c")
+    argv = entry.get("arguments") or shlex.split(entry.get("command", ""))
+    flags = [a for a in argv[1:] if a.startswith(("-m", "-march", "-mtune"))]
+    r = subprocess.run([argv[0]] + flags + ["-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True,
+                       timeout=60)
+    if r.returncode != 0:
+        raise BuildError("the compiler did not say which instructions the build uses", r.stderr[-2000:])
+    macros = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("#define ")}
+    return sorted(flag for m, flag in _ISA_MACROS.items() if m in macros)
+
+
+def cpu_flags() -> set[str] | None:
+    """This CPU's extensions as /proc/cpuinfo names them (None where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def search_paths(lib: Path) -> list[str]:
+    """The RPATH and RUNPATH entries of an ELF shared library (64-bit little-endian, as x86-64 builds
+    are): where the loader looks for what it needs before the system's folders."""
+    import struct
+
+    data = lib.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise BuildError(f"{lib} is not a 64-bit little-endian ELF file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    out = []
+    for sh in sections:
+        if sh[1] != 6:  # SHT_DYNAMIC
+            continue
+        strtab = sections[sh[6]]  # sh_link: its string table
+        for off in range(sh[4], sh[4] + sh[5], 16):
+            tag, val = struct.unpack_from("<qQ", data, off)
+            if tag == 0:
+                break
+            if tag in (15, 29):  # DT_RPATH, DT_RUNPATH
+                start = strtab[4] + val
+                raw = data[start:data.index(b"\0", start)].decode(errors="replace")
+                out += [p for p in raw.split(":")]
+    return out
+
+
+def foreign_search_paths(lib: Path) -> list[str]:
+    """Search paths of `lib` outside its own folder (an empty entry means the working directory)."""
+    return [p for p in search_paths(lib) if p not in ("$ORIGIN", "${ORIGIN}")]
+
+
+MANIFEST_FORMAT = 2  # 2: the instruction sets recorded, search paths inside the library's folder
+
+
+def build(dest: Path, log=lambda msg: None, jobs: int | None = None, patch_files: list[Path] | None = None) -> dict:
+    """Build the patched `ggml-cpu` into `dest` (LIB and MANIFEST); returns the manifest.
+    `patch_files`: a subset of the patches (the tests' controls); all of them by default."""
     why = unsupported()
     if why:
         raise BuildError(why)
@@ -186,34 +265,46 @@ def build(dest: Path, log=lambda msg: None, jobs: int | None = None) -> dict:
         raise BuildError("cmake is not installed (llama-cpp-python's own build needs it too)")
     started = time.time()
     args = cmake_args()
+    chosen = patches() if patch_files is None else list(patch_files)
     sdist = fetch_sdist(log)
     with tempfile.TemporaryDirectory(prefix="edgespec-kernels-") as tmp:
-        src = extract(sdist, Path(tmp) / "llama.cpp")
-        apply_patches(src)
+        try:
+            src = extract(sdist, Path(tmp) / "llama.cpp")
+        except (OSError, tarfile.TarError) as e:
+            raise BuildError(f"cannot unpack the llama.cpp source: {e}") from e
+        apply_patches(src, chosen)
         out = Path(tmp) / "build"
         log("configuring llama.cpp's CPU backend (CMake)")
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
         _run([cmake, "-S", str(src), "-B", str(out)] + gen + args, Path(tmp), "cmake configure")
-        log(f"compiling ggml-cpu with {len(patches())} patches (about a minute)")
+        log(f"compiling ggml-cpu with {len(chosen)} patches (about a minute)")
         _run([cmake, "--build", str(out), "--target", "ggml-cpu", "-j", str(jobs or os.cpu_count() or 2)],
              Path(tmp), "cmake build")
         built = sorted((out / "bin").glob("libggml-cpu.so.*.*.*"))
         if not built:
             raise BuildError("the build left no libggml-cpu.so")
+        foreign = foreign_search_paths(built[-1])
+        if foreign:
+            raise BuildError(f"the built library searches {':'.join(foreign)} for libraries (only $ORIGIN is allowed)")
+        isa = isa_of(out) if platform.machine().lower() in ("x86_64", "amd64") else []
         ggml = built[-1].name[len("libggml-cpu.so."):]
         dest.mkdir(parents=True, exist_ok=True)
         part = dest / f".{LIB}.part"
         shutil.copyfile(built[-1], part)
         os.replace(part, dest / LIB)
-    manifest = {"llama_cpp_python": LLAMA_CPP_PYTHON, "ggml": ggml, "patches": patch_digest(),
-                "patch_files": [p.name for p in patches()], "cmake_args": args, "machine": platform.machine(),
-                "built_at": round(time.time()), "seconds": round(time.time() - started, 1)}
+    digest = patch_digest(chosen)
+    manifest = {"format": MANIFEST_FORMAT, "llama_cpp_python": LLAMA_CPP_PYTHON, "ggml": ggml, "patches": digest,
+                "patch_files": [p.name for p in chosen], "cmake_args": args, "machine": platform.machine(),
+                "isa": isa, "built_at": round(time.time()), "seconds": round(time.time() - started, 1)}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
-def record_failure(dest: Path, err: BuildError) -> None:
-    """Leave why the build failed where the runtime looks, so that `doctor` can say it."""
+def record_failure(dest: Path, err: BaseException, skipped: bool = False) -> None:
+    """Leave why the build failed (or was skipped) where the runtime looks, so that `run`, `chat`,
+    `serve` and `doctor` can say it."""
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / MANIFEST).write_text(json.dumps({"error": str(err), "detail": err.detail[-4000:],
-                                             "patches": patch_digest(), "built_at": round(time.time())}, indent=1))
+    detail = getattr(err, "detail", "") or ""
+    (dest / MANIFEST).write_text(json.dumps({"error": str(err) or type(err).__name__, "skipped": skipped,
+                                             "detail": detail[-4000:], "patches": patch_digest(),
+                                             "built_at": round(time.time())}, indent=1))

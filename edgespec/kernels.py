@@ -68,10 +68,14 @@ def candidates() -> list[Path]:
 def _usable(folder: Path, lib_dir: Path) -> str:
     """Why the build in `folder` cannot replace llama-cpp-python's kernels ('' if it can)."""
     m = _manifest(folder)
+    if m is not None and m.get("error"):
+        if m.get("skipped"):
+            return f"the kernel build was skipped ({m['error']}); `edgespec kernels --build` makes it"
+        return f"the kernel build failed ({m['error']}); `edgespec kernels --build` tries again"
     if m is None or not (folder / kernel_build.LIB).is_file():
         return f"no build in {folder}"
-    if m.get("error"):
-        return f"the build failed ({m['error']}); `edgespec kernels --build` tries again"
+    if m.get("format") != kernel_build.MANIFEST_FORMAT:
+        return "the build is from an older edgespec; `edgespec kernels --build` makes it again"
     if m.get("patches") != kernel_build.patch_digest():
         return "the build was made from other patches; `edgespec kernels --build` makes it again"
     try:
@@ -81,11 +85,29 @@ def _usable(folder: Path, lib_dir: Path) -> str:
     if installed != m.get("llama_cpp_python"):
         return (f"built for llama-cpp-python {m.get('llama_cpp_python')}, {installed} is installed; "
                 "`edgespec kernels --build` makes it again")
+    have = kernel_build.cpu_flags()
+    missing = sorted(set(m.get("isa") or []) - have) if have is not None else []
+    if missing:
+        return (f"the build uses {', '.join(missing)}, which this CPU lacks (built for another machine); "
+                "`edgespec kernels --build` makes it for this one")
+    try:
+        foreign = kernel_build.foreign_search_paths(folder / kernel_build.LIB)
+    except (OSError, ValueError, kernel_build.BuildError) as e:
+        return f"{folder / kernel_build.LIB} is not a readable library ({e})"
+    if foreign:
+        return (f"{folder / kernel_build.LIB} searches {':'.join(foreign)} for libraries, outside its own folder; "
+                "`edgespec kernels --build` makes it again")
     if not (lib_dir / kernel_build.LIB).is_file():
         return "llama-cpp-python's build has no linked libggml-cpu.so.0 (GGML_BACKEND_DL or another platform)"
     if not (lib_dir / f"libggml-base.so.{m.get('ggml')}").is_file():
         return f"llama-cpp-python's ggml is not {m.get('ggml')}"
     return ""
+
+
+def _newest_first(folders: list[Path]) -> list[Path]:
+    """The builds in the order they are tried: the newest first, so that `edgespec kernels --build`
+    (into the cache) replaces what `pip install` built (in the package)."""
+    return sorted(folders, key=lambda f: -float((_manifest(f) or {}).get("built_at") or 0))
 
 
 def preload() -> dict:
@@ -104,7 +126,8 @@ def preload() -> dict:
         why = "llama-cpp-python is not installed"
     if not why:
         reasons = []
-        for folder in candidates():
+        asked = candidates()
+        for folder in _newest_first(asked) if len(asked) > 1 else asked:
             r = _usable(folder, lib_dir)
             if not r:
                 try:
@@ -118,8 +141,8 @@ def preload() -> dict:
                           "patches": kernel_build.patch_digest(), "why": ""}
                 return _state
             reasons.append(r)
-        # the first candidate's reason is the one that matters (the installed build, or the asked folder)
-        why = reasons[0] if reasons else "no build"
+        # the installed build's reason is the one that matters where no other build was made
+        why = next((r for r in reasons if not r.startswith("no build in")), reasons[0] if reasons else "no build")
     _state = {"kernels": "stock", "why": why}
     return _state
 
@@ -143,8 +166,40 @@ def batch_invariant() -> bool:
     return info()["kernels"] == "batch-invariant"
 
 
+# Environment settings that change the CPU kernels' arithmetic (which kernel sums a batch, and in
+# which order): each is part of the cost cache's key, since a probe read under one says nothing of another.
+ARITHMETIC_ENV = ("GGML_CPU_TILED_MM", "GGML_CPU_TILED_MM_FORCE", TILED_MIN_ROWS_ENV, "GGML_CPU_DISABLE_FUSION")
+
+
 def tag() -> str:
     """What sets these kernels apart, for the cost cache's key: a probe read with one set of
-    kernels says nothing about another."""
+    kernels, or one setting of their arithmetic, says nothing about another."""
     s = info()
-    return f"|bi{s['patches']}" if s["kernels"] == "batch-invariant" else ""
+    env = "".join(f"|{k[len('GGML_CPU_'):].lower()}={os.environ[k]}" for k in ARITHMETIC_ENV if k in os.environ)
+    return (f"|bi{s['patches']}" if s["kernels"] == "batch-invariant" else "") + env
+
+
+def build_notice() -> str:
+    """One line, once per reason, where the stock kernels run because edgespec's could not be built or
+    loaded here: `run`, `chat` and `serve` print it, with the command that retries ('' otherwise:
+    the batch-invariant kernels run, the user asked for the stock ones, or another platform)."""
+    s = _state
+    if s.get("kernels") != "stock" or os.environ.get(ENV) == "stock" or kernel_build.unsupported() \
+            or s.get("why", "").startswith("llama_cpp was imported"):
+        return ""
+    mark = f"{(_manifest(PACKAGE_DIR) or {}).get('built_at')}|{s.get('why')}"
+    said = cache_dir() / "notice-said"
+    try:
+        if said.read_text() == mark:
+            return ""
+    except OSError:
+        pass
+    try:
+        said.parent.mkdir(parents=True, exist_ok=True)
+        said.write_text(mark)
+    except OSError:
+        pass
+    why = s.get("why", "")
+    retry = "" if "kernels --build" in why else "; `edgespec kernels --build` builds them"
+    return (f"edgespec: note: llama.cpp's stock CPU kernels run, not edgespec's batch-invariant ones ({why}){retry}; "
+            "on K-quant models exact verification is then capped at a few rows")

@@ -53,12 +53,11 @@ def use_exact_kernels() -> bool:
 
 def kernel_tag(model: "Model") -> str:
     """What sets the CPU kernels of this model apart, for the cost cache's key: which ggml-cpu is
-    loaded (edgespec's batch-invariant build or the stock one), repacking, the tiled kernel's switch."""
+    loaded (edgespec's batch-invariant build or the stock one) with the settings of its arithmetic
+    (kernels.tag), and repacking."""
     from . import kernels
 
-    tiled = TILED_ENV in os.environ and model.info.types & BATCH_DEPENDENT_TYPES
-    return (kernels.tag() + ("" if model.repack else "|norepack")
-            + (f"|tiled{os.environ[TILED_ENV]}" if tiled else ""))
+    return kernels.tag() + ("" if model.repack else "|norepack")
 
 
 def last_log_error() -> str:

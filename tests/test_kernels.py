@@ -95,8 +95,9 @@ def test_a_build_that_does_not_fit_is_not_loaded(tmp_path, monkeypatch):
     llama-cpp-python, a missing library; each says why in one line."""
     lib_dir = kernels._llama_lib_dir()
     assert lib_dir is not None
-    (tmp_path / kernel_build.LIB).write_bytes(b"\x7fELF")
-    good = {"llama_cpp_python": kernel_build.LLAMA_CPP_PYTHON, "ggml": "0.25.3", "patches": kernel_build.patch_digest()}
+    (tmp_path / kernel_build.LIB).write_bytes((lib_dir / kernel_build.LIB).read_bytes())  # a real ELF: $ORIGIN only
+    good = {"format": kernel_build.MANIFEST_FORMAT, "llama_cpp_python": kernel_build.LLAMA_CPP_PYTHON,
+            "ggml": "0.25.3", "patches": kernel_build.patch_digest()}
 
     def why(**change) -> str:
         (tmp_path / kernel_build.MANIFEST).write_text(json.dumps({**good, **change}))

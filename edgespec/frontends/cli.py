@@ -769,6 +769,12 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "models": cmd_models, "quantize": cmd_quantize, "bench": cmd_bench,
                 "batch": cmd_batch, "serve": cmd_serve, "doctor": cmd_doctor, "convert": cmd_convert, "train": cmd_train,
                 "kernels": cmd_kernels}
+    if a.cmd in ("run", "chat", "serve", "batch"):
+        from .. import kernels
+
+        notice = kernels.build_notice()
+        if notice:
+            print(notice, file=sys.stderr)
     try:
         return handlers[a.cmd](options(a))
     except EdgespecError as e:

@@ -32,8 +32,7 @@ def run_kernels(a: KernelsOptions) -> int:
                 print(e.detail, file=sys.stderr)
             raise EdgespecError(f"the kernel build failed: {e}") from e
         print(f"edgespec: built in {m['seconds']} s: {dest / kernel_build.LIB}; it is loaded from the next "
-              f"command on" + ("" if kernels.info()["kernels"] == "stock" else
-                               " (the installed build is found first; this one is used where that one is not)"),
+              "command on (the newest usable build is loaded: this one, in place of the one `pip install` made)",
               file=sys.stderr)
     import llama_cpp  # noqa: F401  (llama.cpp loaded, so that info() checks what the process maps)
 
