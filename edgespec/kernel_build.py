@@ -225,25 +225,27 @@ def search_paths(lib: Path) -> list[str]:
     import struct
 
     data = lib.read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+    if data[:6] != b"\x7fELF\x02\x01":
         raise BuildError(f"{lib} is not a 64-bit little-endian ELF file")
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    out = []
-    for sh in sections:
-        if sh[1] != 6:  # SHT_DYNAMIC
-            continue
-        strtab = sections[sh[6]]  # sh_link: its string table
-        for off in range(sh[4], sh[4] + sh[5], 16):
-            tag, val = struct.unpack_from("<qQ", data, off)
-            if tag == 0:
-                break
-            if tag in (15, 29):  # DT_RPATH, DT_RUNPATH
-                start = strtab[4] + val
-                raw = data[start:data.index(b"\0", start)].decode(errors="replace")
-                out += [p for p in raw.split(":")]
-    return out
+    try:
+        shoff, = struct.unpack_from("<Q", data, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+        out = []
+        for sh in sections:
+            if sh[1] != 6:  # SHT_DYNAMIC
+                continue
+            strtab = sections[sh[6]]  # sh_link: its string table
+            for off in range(sh[4], sh[4] + sh[5], 16):
+                tag, val = struct.unpack_from("<qQ", data, off)
+                if tag == 0:
+                    break
+                if tag in (15, 29):  # DT_RPATH, DT_RUNPATH
+                    start = strtab[4] + val
+                    out += data[start:data.index(b"\0", start)].decode(errors="replace").split(":")
+        return out
+    except (struct.error, IndexError, ValueError) as e:
+        raise BuildError(f"{lib} is not a readable ELF file ({e})") from e
 
 
 def foreign_search_paths(lib: Path) -> list[str]:
