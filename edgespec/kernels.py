@@ -136,7 +136,8 @@ def preload() -> dict:
                 except OSError as e:
                     reasons.append(f"{folder / kernel_build.LIB} does not load: {e}")
                     continue
-                os.environ.setdefault(TILED_MIN_ROWS_ENV, str(TILED_MIN_ROWS))
+                if not os.environ.get(TILED_MIN_ROWS_ENV, "").strip():  # unset or empty: ggml's 8 otherwise
+                    os.environ[TILED_MIN_ROWS_ENV] = str(TILED_MIN_ROWS)
                 _state = {"kernels": "batch-invariant", "path": str(folder / kernel_build.LIB),
                           "patches": kernel_build.patch_digest(), "why": ""}
                 return _state
