@@ -39,7 +39,10 @@ ARCH_KEY = "general.architecture"
 # enum gguf_type (ggml/include/gguf.h)
 GGUF_TYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "float32", "bool", "string", "array",
               "uint64", "int64", "float64")
-GGUF_TYPE_STRING, GGUF_TYPE_ARRAY = 8, 9
+GGUF_TYPE_INT32, GGUF_TYPE_FLOAT32, GGUF_TYPE_STRING, GGUF_TYPE_ARRAY = 5, 6, 8, 9
+# (key, element type, one per token) of the arrays llama.cpp's vocabulary loader reads unchecked
+_VOCAB_ARRAYS = (("tokenizer.ggml.scores", GGUF_TYPE_FLOAT32, True), ("tokenizer.ggml.token_type", GGUF_TYPE_INT32, True),
+                 ("tokenizer.ggml.merges", GGUF_TYPE_STRING, False))
 
 
 class _InitParams(ctypes.Structure):
@@ -217,6 +220,13 @@ def _read(p: Path, size: int) -> GGUFInfo:
         arch = _string(lib, ctx, p, ARCH_KEY)
         k = _key(lib, ctx, p, TOKENS_KEY, GGUF_TYPE_ARRAY, GGUF_TYPE_STRING)
         n_tokens = lib.gguf_get_arr_n(ctx, k) if k >= 0 else 0
+        # llama.cpp's vocabulary loader reads these raw (gguf_get_arr_data, gguf_get_arr_str): checked
+        # here so that a file the user names is one line, not an assert or a read past an array
+        for name, elem, per_token in _VOCAB_ARRAYS:
+            k = _key(lib, ctx, p, name, GGUF_TYPE_ARRAY, elem)
+            if k >= 0 and per_token and lib.gguf_get_arr_n(ctx, k) < n_tokens:
+                raise ModelError(f"cannot load model {p}: its {name} has {lib.gguf_get_arr_n(ctx, k)} entries for "
+                                 f"{n_tokens} tokens (a damaged or hand-made GGUF)")
         return GGUFInfo(p, "?" if arch is None else arch, n, n_tokens, types=types, n_params=n_params)
     finally:
         lib.gguf_free(ctx)

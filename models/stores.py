@@ -37,7 +37,8 @@ OLLAMA_REGISTRY, OLLAMA_NAMESPACE = "registry.ollama.ai", "library"
 OLLAMA_MODEL_TYPE = "application/vnd.ollama.image.model"
 SYSTEM_OLLAMA = Path("/usr/share/ollama/.ollama/models")  # the Linux service's store
 DIGEST_RE = re.compile(r"sha256[:-]([0-9a-f]{64})")  # a layer digest; the blob's name uses '-' (old: ':')
-_PART_RE = re.compile(r"\w[\w.-]*")  # one component of a name in a store: never '.', '..' or empty
+_PART_RE = re.compile(r"\w[\w.:-]*")  # one component of an Ollama name (a host may have a port): never '..'
+_CLIMBS = ("", ".", "..")
 MANIFEST_MAX = 1 << 20  # bytes: a manifest is a few hundred
 
 
@@ -71,7 +72,7 @@ def parse(spec: str) -> Spec | None:
         name, _, want = rest.partition(":") if ":" in rest.rsplit("/", 1)[-1] else (rest, "", "")
         if name.lower().endswith(".gguf") and name.count("/") == 2:  # publisher/model/file.gguf
             name, want = name.rsplit("/", 1)
-        if not name or not all(_PART_RE.fullmatch(p) for p in name.split("/")):
+        if not name or any(p in _CLIMBS or "\\" in p for p in name.split("/")):
             raise CatalogError(f"{spec!r}: name an LM Studio model as lmstudio:PUBLISHER/MODEL[:QUANT] or "
                                "lmstudio:FILE.gguf")
         return Spec("lmstudio", name, want or None)
