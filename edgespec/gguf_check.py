@@ -41,7 +41,8 @@ GGUF_TYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "float32", 
               "uint64", "int64", "float64")
 GGUF_TYPE_INT32, GGUF_TYPE_FLOAT32, GGUF_TYPE_STRING, GGUF_TYPE_ARRAY = 5, 6, 8, 9
 # (key, element type, one per token) of the arrays llama.cpp's vocabulary loader reads unchecked
-_VOCAB_ARRAYS = (("tokenizer.ggml.scores", GGUF_TYPE_FLOAT32, True), ("tokenizer.ggml.token_type", GGUF_TYPE_INT32, True),
+_VOCAB_ARRAYS = (("tokenizer.ggml.scores", GGUF_TYPE_FLOAT32, True),
+                 ("tokenizer.ggml.token_type", GGUF_TYPE_INT32, True),
                  ("tokenizer.ggml.merges", GGUF_TYPE_STRING, False))
 
 

@@ -19,7 +19,6 @@ GGUF (`name-00001-of-00003.gguf`) is loaded by its first part, with every part b
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -27,10 +26,8 @@ from pathlib import Path
 
 from ..errors import CatalogError, ChecksumError
 from .checksums import verify_once
-from .files import DEFAULT_QUANT, SplitError, is_model_file, pick, quant_of, quants, split_part  # noqa: F401
+from .files import SplitError, pick, quants
 from .paths import MISSING, existing_dirs, real, store_problem
-
-log = logging.getLogger("edgespec.models")
 
 # a Hugging Face repo id with an optional quant or file name: Qwen/Qwen2.5-7B-Instruct-GGUF:Q4_K_M
 REPO_RE = re.compile(r"^([A-Za-z0-9][\w.-]*)/([\w.-]+)(?::([\w.-]+))?$")
@@ -226,9 +223,8 @@ def download(repo: str, want: str | None, quiet: bool = False) -> Path:
 
 def _hub_hash(entry) -> str | None:
     """The Hub's hash of one file of a repo's tree: its LFS sha256, else git's object id."""
-    lfs = getattr(entry, "lfs", None)
-    sha = getattr(lfs, "sha256", None) if lfs is not None and not isinstance(lfs, dict) else (lfs or {}).get("sha256")
-    return sha or getattr(entry, "blob_id", None)
+    lfs = getattr(entry, "lfs", None)  # huggingface_hub's BlobLfsInfo: a dataclass and a dict
+    return (lfs or {}).get("sha256") or getattr(entry, "blob_id", None)
 
 
 def verify_download(path: Path, expected: str | None, label: str) -> None:
@@ -238,6 +234,8 @@ def verify_download(path: Path, expected: str | None, label: str) -> None:
         raise ChecksumError(f"{label}: the Hub lists no hash for it; not used")
     try:
         verify_once(path, expected, label)
+    except OSError as e:
+        raise CatalogError(f"{label}: cannot read the downloaded file {path} ({e.strerror or e})") from None
     except ChecksumError:
         blob = real(path)
         path.unlink(missing_ok=True)

@@ -3,11 +3,12 @@
 `list_local` is `edgespec models`' table: the catalog's cache and every store (`stores.scan`),
 each file's header read with ggml's parser (`gguf_check`: no weights loaded, every value's type
 checked before it is read, only regular files opened), a file that is not a readable GGUF a
-one-line note: these are files the user never named, and none of them may stop the scan. `vocab_pair` is the draft model `auto` (and `draft`, `pearl`
-without -md) takes for a target with no catalog pair: the smallest local model whose vocabulary is
-the target's (token for token, as `-md` is checked: `gguf_check.compare_vocab`, and the same
-tokenizer type, BOS and EOS) and that has at most DRAFT_SHARE of the target's parameters. It is
-never downloaded: only what is on disk is considered.
+one-line note: these are files the user never named, and none of them may stop the scan.
+`vocab_pair` is the draft model `auto` (and `draft`, `pearl` without -md) takes for a target with
+no catalog pair: the smallest local model whose vocabulary is the target's (token for token, as
+`-md` is checked: `gguf_check.compare_vocab`, and the same tokenizer type, BOS and EOS) and that
+has at most DRAFT_SHARE of the target's parameters. It is never downloaded: only what is on disk
+is considered.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def parse(spec: str) -> Spec | None:
         parts = [p for p in name.split("/") if p]
         if not parts or not tag:
             raise CatalogError(f"{spec!r}: name an Ollama model as ollama:NAME[:TAG], e.g. ollama:qwen2.5-coder:1.5b")
-        if not all(_PART_RE.fullmatch(p) for p in (*parts, tag)) or len(parts) > 3:
+        if not all(_PART_RE.fullmatch(p) for p in (*parts, tag)):
             raise CatalogError(f"{spec!r}: not an Ollama model name (letters, digits, '.', '_', '-'; "
                                "ollama:[HOST/][NAMESPACE/]NAME[:TAG])")
         if len(parts) == 1:

@@ -30,6 +30,7 @@ import pytest
 
 from edgespec.errors import CatalogError
 from edgespec.models import CATALOG, cache_root, hub, resolve
+from edgespec.models import files as gguf_files
 from synthetic_mtp import _tokenizer_from
 
 SMOL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"
@@ -250,20 +251,20 @@ def test_quants_read_from_a_repo_file_list():
     files = ["README.md", "Llama-3.2-3B-Instruct-Q4_K_M.gguf", "Llama-3.2-3B-Instruct-Q8_0.gguf",
              "Llama-3.2-3B-Instruct-IQ4_XS.gguf", "mmproj-F16.gguf",
              "Q6_K/Llama-3.2-3B-Instruct-Q6_K-00001-of-00002.gguf", "Q6_K/Llama-3.2-3B-Instruct-Q6_K-00002-of-00002.gguf"]
-    assert hub.pick(files, None, "r/x") == ["Llama-3.2-3B-Instruct-Q4_K_M.gguf"]
-    assert hub.pick(files, "iq4_xs", "r/x") == ["Llama-3.2-3B-Instruct-IQ4_XS.gguf"]
-    assert hub.pick(files, "Q6_K", "r/x") == files[-2:]
+    assert gguf_files.pick(files, None, "r/x") == ["Llama-3.2-3B-Instruct-Q4_K_M.gguf"]
+    assert gguf_files.pick(files, "iq4_xs", "r/x") == ["Llama-3.2-3B-Instruct-IQ4_XS.gguf"]
+    assert gguf_files.pick(files, "Q6_K", "r/x") == files[-2:]
     with pytest.raises(CatalogError, match=r"r/x has no Q5_K_M GGUF; it has: IQ4_XS, Q4_K_M, Q6_K, Q8_0"):
-        hub.pick(files, "Q5_K_M", "r/x")
-    with pytest.raises(hub.SplitError, match="lacks 1 of its 2 parts"):
-        hub.pick(files[:-1], "Q6_K", "r/x")
+        gguf_files.pick(files, "Q5_K_M", "r/x")
+    with pytest.raises(gguf_files.SplitError, match="lacks 1 of its 2 parts"):
+        gguf_files.pick(files[:-1], "Q6_K", "r/x")
 
 
 def test_split_gguf_in_the_cache(in_home, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     names = [f"Big-Q4_K_M-0000{i}-of-00002.gguf" for i in (1, 2)]
     snap = hf_layout(tmp_path, "acme/Big-GGUF", {names[0]: in_home["smol"]})
-    with pytest.raises(hub.SplitError, match="lacks 1 of its 2 parts"):
+    with pytest.raises(gguf_files.SplitError, match="lacks 1 of its 2 parts"):
         resolve("acme/Big-GGUF")
     place(in_home["smol"], snap / names[1])  # a file in the snapshot itself, as on a system without links
     assert resolve("acme/Big-GGUF") == snap / names[0]  # the first part; llama.cpp finds the others beside it
@@ -506,7 +507,8 @@ def test_hostile_names_refused_in_one_line(hostile):
     """Named with -m: one `edgespec: error:` line, exit 2, whatever the store or file holds."""
     for spec, why in (("ollama:climb", "not sha256:<64 hex digits>"), ("ollama:absolute", "not followed"),
                       ("ollama:linked", "points out of its store"), (EVIL, "not a commit hash"),
-                      ("acme/Loose-GGUF:Q6_K", "points out of its store"), ("ollama:../../x", "not an Ollama model name")):
+                      ("acme/Loose-GGUF:Q6_K", "points out of its store"),
+                      ("ollama:../../x", "not an Ollama model name")):
         one_line_error(es(hostile, "run", "-m", spec, "-p", "hi", "-n", "4", timeout=120), why)
     lms = hostile["lms"]
     for name, why in (("arch-number.gguf", "general.architecture is a uint32"), ("empty.gguf", "an empty file"),
