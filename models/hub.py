@@ -27,7 +27,7 @@ from pathlib import Path
 from ..errors import CatalogError, ChecksumError
 from .checksums import verify_once
 from .files import SplitError, pick, quants
-from .paths import MISSING, existing_dirs, real, store_problem
+from .paths import MISSING, existing_dirs, read_small, real, store_problem
 
 # a Hugging Face repo id with an optional quant or file name: Qwen/Qwen2.5-7B-Instruct-GGUF:Q4_K_M
 REPO_RE = re.compile(r"^([A-Za-z0-9][\w.-]*)/([\w.-]+)(?::([\w.-]+))?$")
@@ -96,10 +96,9 @@ def read_ref(folder: Path, revision: str = "main") -> str | None:
     if not ref.is_file():
         return None
     try:
-        with ref.open("rb") as f:
-            text = f.read(200).decode("ascii", "replace").strip()
-    except OSError as e:
-        raise CatalogError(f"{folder}: cannot read refs/{revision} ({e.strerror})") from None
+        text = read_small(ref, 200).decode("ascii", "replace").strip()
+    except (OSError, ValueError) as e:
+        raise CatalogError(f"{folder}: cannot read refs/{revision} ({getattr(e, 'strerror', None) or e})") from None
     if not COMMIT_RE.fullmatch(text):
         raise CatalogError(f"{folder}: refs/{revision} holds {text[:60]!r}, not a commit hash; not followed")
     return text

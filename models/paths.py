@@ -9,6 +9,8 @@ folder it belongs to and is a regular file (a FIFO named `*.gguf` would block it
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from ..gguf_check import file_problem
@@ -62,3 +64,19 @@ def within(root: Path, *names: str) -> Path | None:
     if any(Path(n).is_absolute() or ".." in Path(n).parts for n in names):
         return None
     return p
+
+
+def read_small(p: Path, limit: int) -> bytes:
+    """The bytes of a small regular file (a manifest, a ref), opened without blocking and checked
+    to be a regular file once open; raises OSError, or ValueError past `limit` bytes."""
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data

@@ -31,7 +31,7 @@ from typing import Callable
 from ..errors import CatalogError
 from . import hub
 from .files import is_first_part, is_model_file, pick, quant_of, split_names
-from .paths import MISSING, existing_dirs, store_problem
+from .paths import MISSING, existing_dirs, read_small, store_problem
 
 OLLAMA_REGISTRY, OLLAMA_NAMESPACE = "registry.ollama.ai", "library"
 OLLAMA_MODEL_TYPE = "application/vnd.ollama.image.model"
@@ -144,11 +144,7 @@ def ollama_dirs() -> list[Path]:
 
 
 def _read_manifest(manifest: Path) -> dict:
-    with manifest.open("rb") as f:  # a regular file (the callers checked): a read never blocks
-        data = f.read(MANIFEST_MAX + 1)
-    if len(data) > MANIFEST_MAX:
-        raise ValueError("too large for a manifest")
-    doc = json.loads(data)
+    doc = json.loads(read_small(manifest, MANIFEST_MAX))
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
     return doc
