@@ -10,13 +10,22 @@ here with ctypes) and not the `gguf` package's GGUFReader: the reader walks ever
 in Python and took 4.5 s on SmolLM2's header and 21 s on Gemma 3's (262,144 tokens) here, on
 every load; ggml's parser is the one llama.cpp then uses, and reads the same headers in
 milliseconds. The `gguf` package writes the synthetic files of the tests.
+
+ggml's parser checks a file's layout but not what a key's value means: `gguf_get_val_str` on a
+value that is not a string (an architecture stored as a number) or `gguf_get_arr_str` on an array
+of numbers trips a `GGML_ASSERT`, which aborts the whole process. Every value is read here only
+after its type is checked (`_kv_type`), so a hostile file is one `ModelError`, never an abort:
+`edgespec models` and `auto`'s draft search read files the user never named. Only regular files
+are opened (`file_problem`): a FIFO named `*.gguf` would block the reader forever.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import glob
 import os
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -26,6 +35,15 @@ from .errors import ModelError, VocabMismatchError
 
 GGUF_MAGIC = b"GGUF"
 TOKENS_KEY = "tokenizer.ggml.tokens"
+ARCH_KEY = "general.architecture"
+# enum gguf_type (ggml/include/gguf.h)
+GGUF_TYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "float32", "bool", "string", "array",
+              "uint64", "int64", "float64")
+GGUF_TYPE_INT32, GGUF_TYPE_FLOAT32, GGUF_TYPE_STRING, GGUF_TYPE_ARRAY = 5, 6, 8, 9
+# (key, element type, one per token) of the arrays llama.cpp's vocabulary loader reads unchecked
+_VOCAB_ARRAYS = (("tokenizer.ggml.scores", GGUF_TYPE_FLOAT32, True),
+                 ("tokenizer.ggml.token_type", GGUF_TYPE_INT32, True),
+                 ("tokenizer.ggml.merges", GGUF_TYPE_STRING, False))
 
 
 class _InitParams(ctypes.Structure):
@@ -58,6 +76,7 @@ def _ggml():
             ("gguf_get_arr_n", sz, [p, i64]), ("gguf_get_arr_str", c, [p, i64, sz]),
             ("gguf_get_val_str", c, [p, i64]), ("gguf_find_tensor", i64, [p, c]),
             ("gguf_get_tensor_type", ctypes.c_int, [p, i64]),
+            ("gguf_get_kv_type", ctypes.c_int, [p, i64]), ("gguf_get_arr_type", ctypes.c_int, [p, i64]),
             ("ggml_type_size", sz, [ctypes.c_int]), ("ggml_blck_size", i64, [ctypes.c_int]),
         ]:
             fn = getattr(lib, name)
@@ -87,33 +106,73 @@ class GGUFInfo:
 _cache: dict[tuple, GGUFInfo] = {}
 
 
-def check_file(path: str | os.PathLike) -> Path:
-    """Fail with one clear line if `path` is not a readable GGUF file (exists, not a folder,
-    starts with the GGUF magic)."""
-    p = Path(path)
-    if not p.exists():
-        raise ModelError(f"model file not found: {p}")
-    if p.is_dir():
-        raise ModelError(f"model path is a directory, not a .gguf file: {p}")
+def file_problem(path: str | os.PathLike) -> str | None:
+    """What keeps `path` from being read as a model file, in a few words (not found, a symlink
+    loop, a folder, not a regular file, empty), else None. Never blocks and never raises."""
     try:
-        with p.open("rb") as f:
-            head = f.read(4)
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop"
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "not found"
+        return f"cannot read it ({e.strerror})"
+    except ValueError:  # a NUL byte in the name
+        return "not found"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory, not a .gguf file"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file (a FIFO, socket or device)"
+    if st.st_size == 0:
+        return "an empty file"
+    return None
+
+
+def check_file(path: str | os.PathLike) -> Path:
+    """Fail with one clear line if `path` is not a readable GGUF file (a regular file, not
+    empty, starting with the GGUF magic). It is opened without blocking and checked to be a
+    regular file again once open, so a FIFO swapped in meanwhile cannot hang the reader."""
+    p = Path(path)
+    problem = file_problem(p)
+    if problem == "not found":
+        raise ModelError(f"model file not found: {p}")
+    if problem is not None:
+        raise ModelError(f"cannot use model file {p}: {problem}")
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except OSError as e:
         raise ModelError(f"cannot read model file {p}: {e.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ModelError(f"cannot use model file {p}: not a regular file (a FIFO, socket or device)")
+        head = os.read(fd, 4)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {p}: {e.strerror}") from None
+    finally:
+        os.close(fd)
     if head != GGUF_MAGIC:
         raise ModelError(f"not a GGUF file (bad magic {head!r}): {p}")
     return p
+
+
+def _file_key(p: Path, *extra) -> tuple:
+    """A cache key for one version of a checked file (a link's target, by its real path)."""
+    st = p.stat()
+    try:
+        real = str(p.resolve())
+    except (OSError, RuntimeError):  # a loop made since the check: the path as given
+        real = str(p)
+    return (real, st.st_size, st.st_mtime_ns, *extra)
 
 
 def inspect(path: str | os.PathLike, need_vocab: bool = True) -> GGUFInfo:
     """Read the header, metadata and tensor table; check that every tensor's data lies inside
     the file and (with `need_vocab`) that there is a vocabulary. Cached per file version."""
     p = check_file(path)
-    st = p.stat()
-    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    key = _file_key(p)
     info = _cache.get(key)
     if info is None:
-        info = _cache[key] = _read(p, st.st_size)
+        info = _cache[key] = _read(p, key[1])
     if need_vocab and not info.n_tokens:
         raise ModelError(f"{p} has no vocabulary ({TOKENS_KEY} is missing): not a model llama.cpp can run")
     return info
@@ -159,13 +218,42 @@ def _read(p: Path, size: int) -> GGUFInfo:
                 name = lib.gguf_get_tensor_name(ctx, t).decode("utf-8", "replace")
                 raise ModelError(f"cannot load model {p}: truncated or corrupt (tensor {name} ends at byte {end}, "
                                  f"the file has {size}; download or copy it again)")
-        k = lib.gguf_find_key(ctx, b"general.architecture")
-        arch = lib.gguf_get_val_str(ctx, k).decode("utf-8", "replace") if k >= 0 else "?"
-        k = lib.gguf_find_key(ctx, TOKENS_KEY.encode())
+        arch = _string(lib, ctx, p, ARCH_KEY)
+        k = _key(lib, ctx, p, TOKENS_KEY, GGUF_TYPE_ARRAY, GGUF_TYPE_STRING)
         n_tokens = lib.gguf_get_arr_n(ctx, k) if k >= 0 else 0
-        return GGUFInfo(p, arch, n, n_tokens, types=types, n_params=n_params)
+        # llama.cpp's vocabulary loader reads these raw (gguf_get_arr_data, gguf_get_arr_str): checked
+        # here so that a file the user names is one line, not an assert or a read past an array
+        for name, elem, per_token in _VOCAB_ARRAYS:
+            k = _key(lib, ctx, p, name, GGUF_TYPE_ARRAY, elem)
+            if k >= 0 and per_token and lib.gguf_get_arr_n(ctx, k) < n_tokens:
+                raise ModelError(f"cannot load model {p}: its {name} has {lib.gguf_get_arr_n(ctx, k)} entries for "
+                                 f"{n_tokens} tokens (a damaged or hand-made GGUF)")
+        return GGUFInfo(p, "?" if arch is None else arch, n, n_tokens, types=types, n_params=n_params)
     finally:
         lib.gguf_free(ctx)
+
+
+def _type_name(t: int) -> str:
+    return GGUF_TYPES[t] if 0 <= t < len(GGUF_TYPES) else f"type {t}"
+
+
+def _key(lib, ctx, p: Path, name: str, kind: int, elem: int | None = None) -> int:
+    """The id of key `name` (-1: absent), checked to hold a value of type `kind` (an array:
+    of `elem`) before anything reads it: ggml asserts, and aborts, on a read of the wrong type."""
+    k = lib.gguf_find_key(ctx, name.encode())
+    if k < 0:
+        return k
+    t = lib.gguf_get_kv_type(ctx, k)
+    if t != kind or (t == GGUF_TYPE_ARRAY and elem is not None and lib.gguf_get_arr_type(ctx, k) != elem):
+        got = _type_name(t) + (f" of {_type_name(lib.gguf_get_arr_type(ctx, k))}" if t == GGUF_TYPE_ARRAY else "")
+        want = _type_name(kind) + (f" of {_type_name(elem)}" if elem is not None else "")
+        raise ModelError(f"cannot load model {p}: its {name} is a {got}, not a {want} (a damaged or hand-made GGUF)")
+    return k
+
+
+def _string(lib, ctx, p: Path, name: str) -> str | None:
+    k = _key(lib, ctx, p, name, GGUF_TYPE_STRING)
+    return None if k < 0 else lib.gguf_get_val_str(ctx, k).decode("utf-8", "replace")
 
 
 _META_TYPES = {4: "gguf_get_val_u32", 5: "gguf_get_val_i32", 6: "gguf_get_val_f32", 7: "gguf_get_val_bool"}
@@ -179,8 +267,7 @@ def read_meta(path: str | os.PathLike, prefixes: tuple[str, ...]) -> dict:
     (arrays are left out), read with ggml's parser in milliseconds; cached per file version (a
     server's drafter for each request reads its heads' metadata from here, not from disk)."""
     p = check_file(path)
-    st = p.stat()
-    key = (str(p.resolve()), st.st_size, st.st_mtime_ns, tuple(prefixes))
+    key = _file_key(p, tuple(prefixes))
     if key not in _meta_cache:
         _meta_cache[key] = _read_meta(p, tuple(prefixes))
     return dict(_meta_cache[key])
@@ -191,7 +278,6 @@ def _read_meta(p: Path, prefixes: tuple[str, ...]) -> dict:
     if not hasattr(lib, "_meta_bound"):
         i64, vp = ctypes.c_int64, ctypes.c_void_p
         for name, res, args in (("gguf_get_n_kv", i64, [vp]), ("gguf_get_key", ctypes.c_char_p, [vp, i64]),
-                                ("gguf_get_kv_type", ctypes.c_int, [vp, i64]),
                                 ("gguf_get_val_u32", ctypes.c_uint32, [vp, i64]),
                                 ("gguf_get_val_i32", ctypes.c_int32, [vp, i64]),
                                 ("gguf_get_val_f32", ctypes.c_float, [vp, i64]),
@@ -209,7 +295,7 @@ def _read_meta(p: Path, prefixes: tuple[str, ...]) -> dict:
             if not key.startswith(prefixes):
                 continue
             t = lib.gguf_get_kv_type(ctx, k)
-            if t == 8:  # GGUF_TYPE_STRING
+            if t == GGUF_TYPE_STRING:
                 out[key] = lib.gguf_get_val_str(ctx, k).decode("utf-8", "replace")
             elif t in _META_TYPES:
                 out[key] = getattr(lib, _META_TYPES[t])(ctx, k)
@@ -220,11 +306,14 @@ def _read_meta(p: Path, prefixes: tuple[str, ...]) -> dict:
 
 def _read_tokens(p: Path) -> tuple[bytes, ...]:
     lib = _ggml()
+    check_file(p)
     ctx, _ = _open(p)
     if not ctx:
         raise ModelError(f"cannot read the vocabulary of {p}")
     try:
-        k = lib.gguf_find_key(ctx, TOKENS_KEY.encode())
+        k = _key(lib, ctx, p, TOKENS_KEY, GGUF_TYPE_ARRAY, GGUF_TYPE_STRING)
+        if k < 0:
+            return ()
         get = lib.gguf_get_arr_str
         return tuple(get(ctx, k, i) for i in range(lib.gguf_get_arr_n(ctx, k)))
     finally:

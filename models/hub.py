@@ -6,93 +6,38 @@ of them may have put it (`hub_dirs`); else downloaded with huggingface_hub into 
 (`HF_HUB_CACHE`, `HF_HOME`: shared with llama.cpp and every other tool that reads it), where the
 next run finds it. Nothing is copied: the snapshot's file is loaded where it lies.
 
-The quant is matched case-insensitively against the GGUF file names (default Q4_K_M, what
-llama.cpp's `-hf` takes); a file name (`org/repo:name.gguf`) picks that file. A split GGUF
-(`name-00001-of-00003.gguf`) is loaded by its first part, with every part beside it.
+The cache is read as data, not trusted: `refs/main` must hold a commit hash (40 hex digits, as
+huggingface_hub writes it), and a snapshot's file, its links followed, must be a regular file
+inside the repo's folder (`paths.store_problem`); anything else is one line. A downloaded file is
+checked once against the Hub's hash of it (the LFS sha256), and the check recorded
+(`checksums.verify_once`).
+
+The quant is matched case-insensitively against the GGUF file names (`files.pick`: default
+Q4_K_M, what llama.cpp's `-hf` takes); a file name (`org/repo:name.gguf`) picks that file. A split
+GGUF (`name-00001-of-00003.gguf`) is loaded by its first part, with every part beside it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CatalogError
+from ..errors import CatalogError, ChecksumError
+from .checksums import verify_once
+from .files import SplitError, pick, quants
+from .paths import MISSING, existing_dirs, read_small, real, store_problem
 
-DEFAULT_QUANT = "Q4_K_M"
 # a Hugging Face repo id with an optional quant or file name: Qwen/Qwen2.5-7B-Instruct-GGUF:Q4_K_M
 REPO_RE = re.compile(r"^([A-Za-z0-9][\w.-]*)/([\w.-]+)(?::([\w.-]+))?$")
-_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.I)
-_QUANT = re.compile(r"(?:^|[-._])((?:i?q\d+(?:_[a-z0-9]+)*)|bf16|f16|f32|mxfp4(?:_[a-z0-9]+)*)$")
+COMMIT_RE = re.compile(r"[0-9a-f]{40}")  # what huggingface_hub writes in refs/<revision>
 _TRUE = {"1", "on", "yes", "true"}
-
-
-class SplitError(CatalogError):
-    """A split GGUF with parts missing."""
 
 
 def offline() -> bool:
     """Whether huggingface_hub is told to stay offline (HF_HUB_OFFLINE, as it reads it)."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
-
-
-def split_part(name: str) -> tuple[int, int] | None:
-    """(part, parts) of a split GGUF's file name (`-00002-of-00003.gguf`), else None."""
-    m = _SPLIT.search(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def quant_of(name: str) -> str | None:
-    """The quant a GGUF's file name says (`...-Q4_K_M.gguf`, `model.q8_0.gguf`), upper case, or None."""
-    stem = _SPLIT.sub(".gguf", Path(name).name)
-    stem = stem[:-5] if stem.lower().endswith(".gguf") else stem
-    m = _QUANT.search(stem.lower())
-    return m.group(1).upper() if m else None
-
-
-def is_model_file(name: str) -> bool:
-    """A GGUF that may hold a language model: not a vision projector (mmproj) or an imatrix."""
-    base = Path(name).name.lower()
-    return base.endswith(".gguf") and not base.startswith(("mmproj", "imatrix"))
-
-
-def pick(files: list[str], want: str | None, repo: str, where: str = "") -> list[str]:
-    """The files (relative names) to load for quant or file name `want` (None: the default,
-    Q4_K_M, else the only quant there is): a split GGUF's parts in order, else one file. Raises a
-    one-line error listing the quants `files` hold when none matches or several do."""
-    models = sorted(f for f in files if is_model_file(f))
-    if want is not None and want.lower().endswith(".gguf"):
-        hits = [f for f in models if Path(f).name.lower() == want.lower()]
-    else:
-        q = (want or DEFAULT_QUANT).upper()
-        hits = [f for f in models if quant_of(f) == q]
-        if not hits and want is None and len(quants(models)) == 1:
-            hits = models  # no Q4_K_M, one quant: that one (a repo of a single file)
-    firsts = [f for f in hits if (split_part(f) or (1, 1))[0] == 1]
-    if len(firsts) == 1:
-        first = firsts[0]
-        sp = split_part(first)
-        if sp is None:
-            return [first]
-        parts = [_SPLIT.sub(f"-{i:05d}-of-{sp[1]:05d}.gguf", first) for i in range(1, sp[1] + 1)]
-        missing = [p for p in parts if p not in files]
-        if missing:
-            raise SplitError(f"{repo}{where}: split GGUF {Path(first).name} lacks {len(missing)} of its "
-                               f"{sp[1]} parts ({Path(missing[0]).name} ...)")
-        return parts
-    label = want or DEFAULT_QUANT
-    if firsts:
-        raise CatalogError(f"{repo}{where} has several GGUF files for {label}: "
-                           f"{', '.join(Path(f).name for f in firsts)}; name one: -m {repo}:FILE.gguf")
-    have = quants(models)
-    listed = ", ".join(have) if have else "no GGUF files"
-    hint = f" (name one: -m {repo}:{have[0]})" if have else ""
-    raise CatalogError(f"{repo}{where} has no {label} GGUF; it has: {listed}{hint}")
-
-
-def quants(files: list[str]) -> list[str]:
-    """The quants named by these GGUF files, in a stable order."""
-    return sorted({quant_of(f) or Path(f).name for f in files if is_model_file(f)})
 
 
 # -- the cache on disk ----------------------------------------------------------------------
@@ -106,15 +51,7 @@ def hub_dirs() -> list[Path]:
              env("HF_HOME") and os.path.join(env("HF_HOME"), "hub"),
              env("XDG_CACHE_HOME") and os.path.join(env("XDG_CACHE_HOME"), "huggingface", "hub"),
              str(Path.home() / ".cache" / "huggingface" / "hub")]
-    return _existing(cands)
-
-
-def _existing(cands) -> list[Path]:
-    out: list[Path] = []
-    for c in cands:
-        if c and Path(c).expanduser().is_dir() and Path(c).expanduser() not in out:
-            out.append(Path(c).expanduser())
-    return out
+    return existing_dirs(cands)
 
 
 def repo_folder_name(repo: str) -> str:
@@ -145,43 +82,82 @@ def repo_folders(repo: str) -> list[Path]:
     return out
 
 
-def snapshot(folder: Path) -> tuple[Path, dict[str, Path]] | None:
-    """The snapshot a repo folder's refs/main names (else its newest) and its GGUF files
-    present, by name relative to the snapshot (a link to a missing blob is not there)."""
+@dataclass(frozen=True)
+class Snapshot:
+    path: Path
+    files: dict[str, Path]  # the GGUF files there, by name relative to the snapshot
+    broken: dict[str, str] = field(default_factory=dict)  # the others: name -> what is wrong with it
+
+
+def read_ref(folder: Path, revision: str = "main") -> str | None:
+    """The commit `refs/<revision>` names, None where there is no such ref; raises one line
+    where it holds anything but a commit hash (a path, `../..`: never followed)."""
+    ref = folder / "refs" / revision
+    if not ref.is_file():
+        return None
+    try:
+        text = read_small(ref, 200).decode("ascii", "replace").strip()
+    except (OSError, ValueError) as e:
+        raise CatalogError(f"{folder}: cannot read refs/{revision} ({getattr(e, 'strerror', None) or e})") from None
+    if not COMMIT_RE.fullmatch(text):
+        raise CatalogError(f"{folder}: refs/{revision} holds {text[:60]!r}, not a commit hash; not followed")
+    return text
+
+
+def snapshot(folder: Path) -> Snapshot | None:
+    """The snapshot a repo folder's refs/main names (else its newest) and its GGUF files present
+    (a link to a missing blob is not there); a file that points out of the folder, loops, is
+    no regular file or is empty is in `broken`. Raises one line for a refs/main that is no commit."""
     snaps = folder / "snapshots"
     if not snaps.is_dir():
         return None
-    ref = folder / "refs" / "main"
+    top = real(folder)
+    commit = read_ref(folder)
     snap = None
-    if ref.is_file():
-        cand = snaps / ref.read_text().strip()
+    if commit is not None:
+        cand = snaps / commit
         snap = cand if cand.is_dir() else None
     if snap is None:
-        dirs = sorted((d for d in snaps.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime, reverse=True)
+        dirs = [d for d in snaps.iterdir() if d.is_dir() and _inside(d, top)]
         if not dirs:
             return None
-        snap = dirs[0]
-    files = {p.relative_to(snap).as_posix(): p for p in sorted(snap.rglob("*.gguf")) if p.exists()}
-    return snap, files
+        snap = max(dirs, key=lambda d: d.stat().st_mtime)
+    files, broken = {}, {}
+    for p in sorted(snap.rglob("*.gguf")):
+        rel = p.relative_to(snap).as_posix()
+        problem = store_problem(p, folder)
+        if problem is None:
+            files[rel] = p
+        elif problem != MISSING:
+            broken[rel] = problem
+    return Snapshot(snap, files, broken)
+
+
+def _inside(p: Path, top: Path | None) -> bool:
+    target = real(p)
+    return top is not None and target is not None and target.is_relative_to(top)
 
 
 def find_cached(repo: str, want: str | None) -> Path | None:
     """The cached file for `repo:want` (a split GGUF's first part), or None where no hub folder
     has it. A snapshot without it is passed over (the next cache, or a download, may have it);
-    offline, a split GGUF with parts missing is said as it is."""
+    offline, a split GGUF with parts missing is said as it is; a broken file or ref is one line."""
     for folder in repo_folders(repo):
         snap = snapshot(folder)
         if snap is None:
             continue
         try:
-            parts = pick(list(snap[1]), want, repo, " (in the Hugging Face cache)")
+            parts = pick([*snap.files, *snap.broken], want, repo, " (in the Hugging Face cache)")
         except SplitError:
             if offline():
                 raise
             continue
         except CatalogError:
             continue
-        return snap[1][parts[0]]
+        bad = next((p for p in parts if p in snap.broken), None)
+        if bad is not None:
+            raise CatalogError(f"{repo}: {bad} in the Hugging Face cache ({snap.path}): {snap.broken[bad]}; not used")
+        return snap.files[parts[0]]
     return None
 
 
@@ -189,9 +165,12 @@ def cached_quants(repo: str) -> list[str]:
     """What the cache holds of `repo`: its quants (for an offline error)."""
     out: set[str] = set()
     for folder in repo_folders(repo):
-        snap = snapshot(folder)
+        try:
+            snap = snapshot(folder)
+        except CatalogError:
+            continue
         if snap is not None:
-            out.update(quants(list(snap[1])))
+            out.update(quants(list(snap.files)))
     return sorted(out)
 
 
@@ -215,8 +194,8 @@ def download(repo: str, want: str | None, quiet: bool = False) -> Path:
         raise CatalogError(f"{label}: downloading needs huggingface_hub (pip install huggingface_hub)") from None
     _reachable(label)
     try:
-        files = hf.list_repo_files(repo)
-        parts = pick(files, want, repo, " on Hugging Face")
+        hashes = {e.path: _hub_hash(e) for e in hf.list_repo_tree(repo, recursive=True) if hasattr(e, "blob_id")}
+        parts = pick(list(hashes), want, repo, " on Hugging Face")
         was_off = are_progress_bars_disabled()
         if quiet:
             disable_progress_bars()
@@ -236,7 +215,32 @@ def download(repo: str, want: str | None, quiet: bool = False) -> Path:
     except Exception as e:  # no network (requests' or httpx's errors, by version), a full disk: one line
         raise CatalogError(f"cannot fetch {label} from Hugging Face (offline? set HF_HUB_OFFLINE=1 to use only "
                            f"the cache): {type(e).__name__}: {_first_line(e)}") from None
+    for name, path in zip(parts, paths):
+        verify_download(Path(path), hashes.get(name), f"{repo}:{name}")
     return Path(paths[0])
+
+
+def _hub_hash(entry) -> str | None:
+    """The Hub's hash of one file of a repo's tree: its LFS sha256, else git's object id."""
+    lfs = getattr(entry, "lfs", None)  # huggingface_hub's BlobLfsInfo: a dataclass and a dict
+    return (lfs or {}).get("sha256") or getattr(entry, "blob_id", None)
+
+
+def verify_download(path: Path, expected: str | None, label: str) -> None:
+    """A downloaded file checked against the Hub's hash, once (recorded); one that does not match
+    is removed from the cache (its link and blob: the next run downloads it again) and refused."""
+    if not expected:
+        raise ChecksumError(f"{label}: the Hub lists no hash for it; not used")
+    try:
+        verify_once(path, expected, label)
+    except OSError as e:
+        raise CatalogError(f"{label}: cannot read the downloaded file {path} ({e.strerror or e})") from None
+    except ChecksumError:
+        blob = real(path)
+        path.unlink(missing_ok=True)
+        if blob is not None and blob.parent.name == "blobs":
+            blob.unlink(missing_ok=True)
+        raise
 
 
 def _reachable(label: str) -> None:

@@ -1,12 +1,14 @@
 """Every GGUF on this machine, described from its header, and drafts paired by vocabulary.
 
 `list_local` is `edgespec models`' table: the catalog's cache and every store (`stores.scan`),
-each file's header read with ggml's parser (`gguf_check`: no weights loaded), a file that is not
-a readable GGUF a one-line note. `vocab_pair` is the draft model `auto` (and `draft`, `pearl`
-without -md) takes for a target with no catalog pair: the smallest local model whose vocabulary is
-the target's (token for token, as `-md` is checked: `gguf_check.compare_vocab`, and the same
-tokenizer type, BOS and EOS) and that has at most DRAFT_SHARE of the target's parameters. It is
-never downloaded: only what is on disk is considered.
+each file's header read with ggml's parser (`gguf_check`: no weights loaded, every value's type
+checked before it is read, only regular files opened), a file that is not a readable GGUF a
+one-line note: these are files the user never named, and none of them may stop the scan.
+`vocab_pair` is the draft model `auto` (and `draft`, `pearl` without -md) takes for a target with
+no catalog pair: the smallest local model whose vocabulary is the target's (token for token, as
+`-md` is checked: `gguf_check.compare_vocab`, and the same tokenizer type, BOS and EOS) and that
+has at most DRAFT_SHARE of the target's parameters. It is never downloaded: only what is on disk
+is considered.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 
 from ..errors import EdgespecError, VocabMismatchError
 from . import hub, stores
+from .catalog import catalog_files, models_dir
+from .files import quant_of
 
 # a draft must be clearly smaller: at most this share of the target's parameters (Qwen2.5 0.5B
 # for its 1.5B: 0.35 counting every tensor; Llama 3.2 1B for its 3B: 0.39)
@@ -26,19 +30,6 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
               26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16",
               36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE"}
 _SPECIAL = ("tokenizer.ggml.model", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
-
-
-def catalog_files() -> list[stores.Found]:
-    """The GGUF files in edgespec's own cache, by catalog name where they are one."""
-    from . import CATALOG, QUANTS, models_dir
-
-    d = models_dir()
-    if not d.is_dir():
-        return []
-    names = {e.filename: e.name for e in CATALOG.values()}
-    names.update({f"{e.name}.{q}.gguf": f"{e.name}:{q}" for e in CATALOG.values() for q in QUANTS})
-    return [stores.Found(names.get(p.name, str(p)), "catalog", p) for p in sorted(d.glob("*.gguf"))
-            if not p.name.startswith(".")]
 
 
 def all_files(dirs: tuple[str, ...] = ()) -> list[stores.Found]:
@@ -60,8 +51,8 @@ class Local:
             self.info = inspect(self.path)
             arch = self.info.arch
             self.meta = read_meta(self.path, ("general.file_type", f"{arch}.context_length", *_SPECIAL))
-        except (EdgespecError, OSError) as e:
-            self.note = str(e) if isinstance(e, EdgespecError) else f"cannot read {self.path}: {e.strerror}"
+        except (EdgespecError, OSError, RuntimeError) as e:  # RuntimeError: a link loop met meanwhile
+            self.note = str(e) if isinstance(e, EdgespecError) else f"cannot read {self.path}: {e}"
             self.info = None
 
     @property
@@ -70,12 +61,15 @@ class Local:
 
     @property
     def size(self) -> int:
-        return sum(p.stat().st_size for p in (self.path, *self.found.parts)) if self.path else 0
+        try:
+            return sum(p.stat().st_size for p in (self.path, *self.found.parts)) if self.path else 0
+        except OSError:
+            return 0
 
     @property
     def quant(self) -> str:
         ft = self.meta.get("general.file_type") if self.meta else None
-        return FILE_TYPES.get(ft) or hub.quant_of(self.path.name) or "?"
+        return FILE_TYPES.get(ft) or quant_of(self.path.name) or "?"
 
     def fingerprint(self) -> str:
         from ..gguf_check import vocab_fingerprint
@@ -94,7 +88,7 @@ class Local:
             return False
         try:
             compare_vocab(target.info, self.info)
-        except VocabMismatchError:
+        except (VocabMismatchError, EdgespecError, OSError):  # another vocabulary, or a file changed since
             return False
         return True
 
@@ -129,7 +123,7 @@ def vocab_pair(spec: str, target_path: Path) -> str | None:
     """The name of the smallest local model that can draft for the target at `target_path`
     (see the module's docstring), or None. Files larger than the target are not read."""
     dirs = (hub.hub_dirs(), stores.llamacpp_dirs(), stores.ollama_dirs(), stores.lmstudio_dirs())
-    key = (spec, str(target_path), repr(dirs), str(_models_dir()))
+    key = (spec, str(target_path), repr(dirs), str(models_dir()))
     if key not in _pairs:
         target = Local(stores.Found(spec, "", target_path))
         best = None
@@ -147,8 +141,3 @@ def vocab_pair(spec: str, target_path: Path) -> str | None:
         _pairs[key] = best.name if best else None
     return _pairs[key]
 
-
-def _models_dir() -> Path:
-    from . import models_dir
-
-    return models_dir()

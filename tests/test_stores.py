@@ -1,7 +1,14 @@
 """Models in other tools' stores, laid out as those tools lay them out in a temporary home: the
 Hugging Face cache (huggingface_hub's and llama.cpp's -hf), an Ollama manifest and blob, an LM
-Studio folder, each pointing at the embedded models' bytes (links, nothing copied). Offline:
-nothing is downloaded here.
+Studio folder, each holding the embedded models' bytes (hard links where the file system allows,
+nothing copied: a store's blob must be a file inside the store). Offline: nothing is downloaded
+here, but from a stand-in for the Hub on 127.0.0.1.
+
+Hostile stores (`hostile`): climbing and absolute Ollama digests, a blob linked out of its store,
+a climbing `refs/main`, a GGUF whose architecture is a number, empty and truncated files, a symlink
+loop, a FIFO: `edgespec models` lists each as one note, naming one is one error line, and `auto`
+still answers beside them. Every command runs in a subprocess with a timeout, so an abort or a
+hang fails the test instead of the suite.
 
 The draft paired by vocabulary is a tiny random-weight llama with SmolLM2's tokenizer (a few MB,
 written once): lossless decoding leaves the target's output unchanged whatever it drafts.
@@ -10,6 +17,7 @@ written once): lossless decoding leaves the target's output unchanged whatever i
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,6 +30,7 @@ import pytest
 
 from edgespec.errors import CatalogError
 from edgespec.models import CATALOG, cache_root, hub, resolve
+from edgespec.models import files as gguf_files
 from synthetic_mtp import _tokenizer_from
 
 SMOL_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"
@@ -38,8 +47,17 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def place(src: Path, dst: Path) -> Path:
+    """`src`'s bytes at `dst`: a hard link (no copy) where both are on one file system."""
+    try:
+        os.link(src.resolve(), dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+    return dst
+
+
 def hf_layout(hub_dir: Path, repo: str, files: dict[str, Path], commit: str = "0" * 40) -> Path:
-    """`repo` as huggingface_hub caches it: blobs/<sha256> (a link to the real bytes here),
+    """`repo` as huggingface_hub caches it: blobs/<sha256> (the real bytes, hard-linked),
     snapshots/<commit>/<name> -> ../../blobs/<sha256>, refs/main = <commit>."""
     folder = hub_dir / ("models--" + repo.replace("/", "--"))
     (folder / "blobs").mkdir(parents=True)
@@ -49,7 +67,8 @@ def hf_layout(hub_dir: Path, repo: str, files: dict[str, Path], commit: str = "0
     snap.mkdir(parents=True)
     for name, src in files.items():
         sha = _sha(src)
-        os.symlink(src, folder / "blobs" / sha)
+        if not (folder / "blobs" / sha).exists():
+            place(src, folder / "blobs" / sha)
         (snap / name).parent.mkdir(parents=True, exist_ok=True)
         os.symlink(os.path.relpath(folder / "blobs" / sha, (snap / name).parent), snap / name)
     return snap
@@ -57,7 +76,7 @@ def hf_layout(hub_dir: Path, repo: str, files: dict[str, Path], commit: str = "0
 
 def ollama_layout(root: Path, model: str, tag: str, blob_bytes: Path | bytes | None) -> str:
     """A manifest as `ollama pull` writes it (config, model and template layers) and the model
-    blob blobs/sha256-<hex> (a link to `blob_bytes`, those bytes, or nothing: pointing nowhere)."""
+    blob blobs/sha256-<hex> (`blob_bytes` hard-linked, those bytes, or nothing: pointing nowhere)."""
     if isinstance(blob_bytes, Path):
         digest, size = _sha(blob_bytes), blob_bytes.stat().st_size
     else:
@@ -66,7 +85,7 @@ def ollama_layout(root: Path, model: str, tag: str, blob_bytes: Path | bytes | N
     blobs = root / "blobs"
     blobs.mkdir(parents=True, exist_ok=True)
     if isinstance(blob_bytes, Path):
-        os.symlink(blob_bytes, blobs / f"sha256-{digest}")
+        place(blob_bytes, blobs / f"sha256-{digest}")
     elif blob_bytes is not None:
         (blobs / f"sha256-{digest}").write_bytes(blob_bytes)
     manifest = {
@@ -77,19 +96,26 @@ def ollama_layout(root: Path, model: str, tag: str, blob_bytes: Path | bytes | N
                    {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "d" * 64,
                     "size": 182}],
     }
-    path = root / "manifests" / "registry.ollama.ai" / "library" / model / tag
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(manifest))
+    write_manifest(root, model, tag, manifest)
     return f"sha256-{digest}"
 
 
-def write_tiny_draft(path: Path, vocab_from: Path) -> Path:
-    """A 1-layer llama (n_embd 64, tied output) with `vocab_from`'s tokenizer, in F16."""
+def write_manifest(root: Path, model: str, tag: str, manifest: dict) -> None:
+    path = root / "manifests" / "registry.ollama.ai" / "library" / model / tag
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(manifest))
+
+
+def write_tiny_draft(path: Path, vocab_from: Path, arch_as_number: bool = False) -> Path:
+    """A 1-layer llama (n_embd 64, tied output) with `vocab_from`'s tokenizer, in F16 (with
+    `arch_as_number`: its general.architecture a uint32, which ggml's parser accepts)."""
     rng = np.random.default_rng(0)
     tok = _tokenizer_from(vocab_from)
     n_vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
     d, ff, arch = 64, 128, "llama"
     w = gguf.GGUFWriter(str(path), arch)
+    if arch_as_number:
+        w.kv_data[0]["general.architecture"] = gguf.GGUFValue(7, gguf.GGUFValueType.UINT32)
     for key, val in ((f"{arch}.context_length", 8192), (f"{arch}.embedding_length", d), (f"{arch}.block_count", 1),
                      (f"{arch}.feed_forward_length", ff), (f"{arch}.attention.head_count", 2),
                      (f"{arch}.attention.head_count_kv", 2), (f"{arch}.rope.dimension_count", 32),
@@ -142,13 +168,13 @@ def home(tmp_path_factory):
     ollama_layout(oll, "corrupt", "latest", b"\x00" * 4096)
     lms = h / ".lmstudio" / "models" / LMS
     lms.mkdir(parents=True)
-    os.symlink(smol_q8, lms / "SmolLM2-135M-Instruct-Q8_0.gguf")
+    os.symlink(smol_q8, lms / "SmolLM2-135M-Instruct-Q8_0.gguf")  # LM Studio's `lms import -L`: a link is fine
     cache = base / "edgespec-cache"
     (cache / "models").mkdir(parents=True)
     os.symlink(cache_root() / "costs.json", cache / "costs.json")  # the suite's measured curves, shared
     env = {k: v for k, v in os.environ.items() if k not in STORE_ENV}
     env.update(HOME=str(h), EDGESPEC_CACHE=str(cache), HF_HUB_OFFLINE="1")
-    return {"env": env, "smol": smol, "smol_q8": smol_q8, "tiny": tiny, "oll": oll, "blob": blob,
+    return {"env": env, "smol": smol, "smol_q8": smol_q8, "smol_q4": smol_q4, "tiny": tiny, "oll": oll, "blob": blob,
             "qwen": bool(qwen15 and qwen05), "hub": hubd}
 
 
@@ -225,22 +251,22 @@ def test_quants_read_from_a_repo_file_list():
     files = ["README.md", "Llama-3.2-3B-Instruct-Q4_K_M.gguf", "Llama-3.2-3B-Instruct-Q8_0.gguf",
              "Llama-3.2-3B-Instruct-IQ4_XS.gguf", "mmproj-F16.gguf",
              "Q6_K/Llama-3.2-3B-Instruct-Q6_K-00001-of-00002.gguf", "Q6_K/Llama-3.2-3B-Instruct-Q6_K-00002-of-00002.gguf"]
-    assert hub.pick(files, None, "r/x") == ["Llama-3.2-3B-Instruct-Q4_K_M.gguf"]
-    assert hub.pick(files, "iq4_xs", "r/x") == ["Llama-3.2-3B-Instruct-IQ4_XS.gguf"]
-    assert hub.pick(files, "Q6_K", "r/x") == files[-2:]
+    assert gguf_files.pick(files, None, "r/x") == ["Llama-3.2-3B-Instruct-Q4_K_M.gguf"]
+    assert gguf_files.pick(files, "iq4_xs", "r/x") == ["Llama-3.2-3B-Instruct-IQ4_XS.gguf"]
+    assert gguf_files.pick(files, "Q6_K", "r/x") == files[-2:]
     with pytest.raises(CatalogError, match=r"r/x has no Q5_K_M GGUF; it has: IQ4_XS, Q4_K_M, Q6_K, Q8_0"):
-        hub.pick(files, "Q5_K_M", "r/x")
-    with pytest.raises(hub.SplitError, match="lacks 1 of its 2 parts"):
-        hub.pick(files[:-1], "Q6_K", "r/x")
+        gguf_files.pick(files, "Q5_K_M", "r/x")
+    with pytest.raises(gguf_files.SplitError, match="lacks 1 of its 2 parts"):
+        gguf_files.pick(files[:-1], "Q6_K", "r/x")
 
 
 def test_split_gguf_in_the_cache(in_home, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     names = [f"Big-Q4_K_M-0000{i}-of-00002.gguf" for i in (1, 2)]
     snap = hf_layout(tmp_path, "acme/Big-GGUF", {names[0]: in_home["smol"]})
-    with pytest.raises(hub.SplitError, match="lacks 1 of its 2 parts"):
+    with pytest.raises(gguf_files.SplitError, match="lacks 1 of its 2 parts"):
         resolve("acme/Big-GGUF")
-    os.symlink(in_home["smol"], snap / names[1])
+    place(in_home["smol"], snap / names[1])  # a file in the snapshot itself, as on a system without links
     assert resolve("acme/Big-GGUF") == snap / names[0]  # the first part; llama.cpp finds the others beside it
 
 
@@ -272,11 +298,15 @@ def test_models_lists_every_store_with_vocabulary_and_pairs(home, tmp_path):
     assert f"{SMOL_REPO}:Q4_1  <-  {TINY_REPO}:F16" in text.stdout
 
 
+def _git_oid(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 class _Hub(BaseHTTPRequestHandler):
     """A stand-in for the Hub's two endpoints huggingface_hub reads: a repo's file list and
     `resolve/` (HEAD for the commit, ETag and size, GET for the bytes)."""
 
-    repo, commit, files = "acme/Tiny-GGUF", "a" * 40, {}
+    repo, commit, files, served = "acme/Tiny-GGUF", "a" * 40, {}, {}
 
     def log_message(self, *args):
         pass
@@ -293,14 +323,17 @@ class _Hub(BaseHTTPRequestHandler):
     def _route(self, head: bool):
         path, files = self.path.split("?")[0], self.files
         if path.startswith(f"/api/models/{self.repo}/tree/"):
-            listing = [{"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+            listing = [{"type": "file", "path": n, "size": len(b), "oid": _git_oid(b),
+                        **({"lfs": {"oid": hashlib.sha256(b).hexdigest(), "size": len(b), "pointerSize": 134}}
+                           if n.endswith(".gguf") else {})}
                        for n, b in files.items()]
             return self._answer(json.dumps(listing).encode(), [("Content-Type", "application/json")], head)
         name = path.removeprefix(f"/{self.repo}/resolve/main/")
         if name in files:
-            etag = f'"{hashlib.sha256(files[name]).hexdigest()}"'
-            return self._answer(files[name], [("X-Repo-Commit", self.commit), ("ETag", etag), ("X-Linked-Etag", etag),
-                                              ("X-Linked-Size", str(len(files[name])))], head)
+            body = self.served.get(name, files[name])  # what the listing says, unless told to serve other bytes
+            etag = f'"{hashlib.sha256(body).hexdigest()}"'
+            return self._answer(body, [("X-Repo-Commit", self.commit), ("ETag", etag), ("X-Linked-Etag", etag),
+                                       ("X-Linked-Size", str(len(body)))], head)
         self._answer(None, [("X-Error-Code", "RepoNotFound")])
 
     def do_GET(self):
@@ -329,7 +362,12 @@ def test_download_into_the_hf_cache(home, tmp_path):
         assert got.read_bytes() == tiny
         one_line_error(es(h, "pull", "acme/Tiny-GGUF:Q5_K_M"), "has no Q5_K_M GGUF; it has: Q4_K_M, Q8_0")
         one_line_error(es(h, "pull", "acme/Other-GGUF"), "no model acme/Other-GGUF on Hugging Face")
+        # bytes other than those the Hub's listing hashes: refused in one line, and not left in the cache
+        _Hub.served = {"tiny-Q8_0.gguf": tiny[:-16] + b"\0" * 16}
+        one_line_error(es(h, "pull", "acme/Tiny-GGUF:Q8_0"), "acme/Tiny-GGUF:tiny-Q8_0.gguf: ", "the Hub says")
+        assert not (got.parent / "tiny-Q8_0.gguf").exists()
     finally:
+        _Hub.served = {}
         server.shutdown()
     env["HF_HUB_OFFLINE"] = "1"
     assert es(h, "pull", "ACME/tiny-gguf:q4_k_m").stdout.strip() == str(got)
@@ -391,3 +429,173 @@ def test_qwen_from_the_hf_cache_drafts_with_its_05b(home):
     assert st["draft_model"] == f"{Q05}:Q4_K_M" and st["draft_model_why"] == "same vocabulary"
     assert st["n_drafted"] > 0 and st["n_accept"] > 0
     assert drafted["token_ids"] == plain["token_ids"]
+
+
+# -- hostile stores -------------------------------------------------------------------------------
+
+EVIL = "acme/Evil-GGUF"
+HOSTILE_LMS = "hostile/files"
+
+
+@pytest.fixture(scope="module")
+def hostile(home, tmp_path_factory):
+    """A home of its own: a good target and its tiny vocabulary draft in the Hugging Face cache,
+    and beside them every kind of broken or hostile entry, each pointing at a real GGUF outside
+    the store where it could (so that following it would load something)."""
+    base = tmp_path_factory.mktemp("hostile")
+    h, outside = base / "home", base / "outside"
+    outside.mkdir()
+    place(home["smol"], outside / "evil-x")  # what the climbing and absolute digests reach
+    place(home["smol"], outside / "evil.gguf")  # what the climbing refs/main's "snapshot" holds
+    hubd = h / ".cache" / "huggingface" / "hub"
+    hf_layout(hubd, SMOL_REPO, {"smollm2-135m-instruct-q4_0.gguf": home["smol_q4"]})
+    hf_layout(hubd, TINY_REPO, {"tiny-F16.gguf": home["tiny"]}, commit="1" * 40)
+    snap = hf_layout(hubd, EVIL, {"evil-Q8_0.gguf": home["tiny"]}, commit="4" * 40)
+    (snap.parents[1] / "refs" / "main").write_text(os.path.relpath(outside, snap.parent))  # climbs
+    loose = hf_layout(hubd, "acme/Loose-GGUF", {"loose-Q8_0.gguf": home["smol_q4"]}, commit="5" * 40)
+    os.symlink("loop-Q4_0.gguf", loose / "loop-Q4_0.gguf")  # a symlink loop
+    os.symlink(outside / "evil.gguf", loose / "out-Q6_K.gguf")  # a snapshot link out of the repo's folder
+    oll = h / ".ollama" / "models"
+    ollama_layout(oll, "fine", "latest", home["smol"])
+    layer = {"mediaType": "application/vnd.ollama.image.model", "size": home["smol"].stat().st_size}
+    for model, digest in (("climb", os.path.relpath(outside, oll / "blobs") + "/evil:x"),  # blobs/../../../evil-x
+                          ("absolute", f"{outside}/evil:x")):  # blobs / "/.../evil-x" is that absolute path
+        write_manifest(oll, model, "latest", {"schemaVersion": 2, "layers": [{**layer, "digest": digest}]})
+    linked = hashlib.sha256(b"linked").hexdigest()
+    os.symlink(outside / "evil-x", oll / "blobs" / f"sha256-{linked}")  # a well-formed digest, its blob a link out
+    write_manifest(oll, "linked", "latest", {"schemaVersion": 2, "layers": [{**layer, "digest": f"sha256:{linked}"}]})
+    lms = h / ".lmstudio" / "models" / HOSTILE_LMS
+    lms.mkdir(parents=True)
+    write_tiny_draft(lms / "arch-number.gguf", home["smol"], arch_as_number=True)
+    (lms / "empty.gguf").write_bytes(b"")
+    (lms / "truncated.gguf").write_bytes(home["tiny"].read_bytes()[:3000])
+    os.symlink("loop.gguf", lms / "loop.gguf")
+    os.mkfifo(lms / "fifo.gguf")
+    env = {**home["env"], "HOME": str(h)}
+    return {"env": env, "lms": lms, "outside": outside}
+
+
+def _note_lines(stdout: str) -> dict[str, str]:
+    """`edgespec models`' notes, by the name each is about."""
+    notes = [ln.strip().removeprefix("note: ") for ln in stdout.splitlines() if ln.strip().startswith("note:")]
+    return {n.split(": ", 1)[0]: n.split(": ", 1)[1] for n in notes}
+
+
+def test_models_lists_each_broken_entry_on_one_line(hostile):
+    r = es(hostile, "models", timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    notes = _note_lines(r.stdout)
+    lms = f"lmstudio:{HOSTILE_LMS}"
+    expected = {
+        "ollama:climb:latest": "not sha256:<64 hex digits>", "ollama:absolute:latest": "not sha256:<64 hex digits>",
+        "ollama:linked:latest": "points out of its store", EVIL: "not a commit hash",
+        "acme/Loose-GGUF:loop-Q4_0.gguf": "a symlink loop", "acme/Loose-GGUF:out-Q6_K.gguf": "points out of its store",
+        f"{lms}:arch-number.gguf": "general.architecture is a uint32", f"{lms}:empty.gguf": "an empty file",
+        f"{lms}:truncated.gguf": "truncated or corrupt", f"{lms}:loop.gguf": "a symlink loop",
+        f"{lms}:fifo.gguf": "not a regular file",
+    }
+    for name, why in expected.items():
+        assert name in notes and why in notes[name], (name, notes.get(name), r.stdout)
+    assert len(notes) == len(expected), notes
+    for good in (f"{SMOL_REPO}:Q4_0", f"{TINY_REPO}:F16", "acme/Loose-GGUF:Q8_0", "ollama:fine:latest"):
+        assert any(ln.split()[:1] == [good] for ln in r.stdout.splitlines()), (good, r.stdout)
+    listed = [ln for ln in r.stdout.splitlines() if not ln.strip().startswith("note:")]
+    assert not any(str(hostile["outside"]) in ln for ln in listed)  # what they point at is never listed as a model
+
+
+def test_hostile_names_refused_in_one_line(hostile):
+    """Named with -m: one `edgespec: error:` line, exit 2, whatever the store or file holds."""
+    for spec, why in (("ollama:climb", "not sha256:<64 hex digits>"), ("ollama:absolute", "not followed"),
+                      ("ollama:linked", "points out of its store"), (EVIL, "not a commit hash"),
+                      ("acme/Loose-GGUF:Q6_K", "points out of its store"),
+                      ("ollama:../../x", "not an Ollama model name")):
+        one_line_error(es(hostile, "run", "-m", spec, "-p", "hi", "-n", "4", timeout=120), why)
+    lms = hostile["lms"]
+    for name, why in (("arch-number.gguf", "general.architecture is a uint32"), ("empty.gguf", "an empty file"),
+                      ("truncated.gguf", "truncated or corrupt"), ("loop.gguf", "a symlink loop"),
+                      ("fifo.gguf", "not a regular file")):
+        one_line_error(es(hostile, "run", "-m", str(lms / name), "-p", "hi", "-n", "4", timeout=120), why)
+        one_line_error(es(hostile, "run", "-m", f"lmstudio:{name}", "-p", "hi", "-n", "4", timeout=120), why)
+
+
+def test_auto_answers_beside_hostile_stores(hostile):
+    """`auto` without -md looks through every store for a draft: the broken entries are passed
+    over, the tiny draft is taken, and the stats line names it."""
+    r = es(hostile, "run", "-m", f"{SMOL_REPO}:Q4_0", "-p", "Say hi.", "-n", "4", timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.strip()
+    stats = [ln for ln in r.stderr.splitlines() if "tok/s" in ln]
+    assert len(stats) == 1 and f"draft model {TINY_REPO}:F16 (same vocabulary)" in stats[0], r.stderr
+
+
+def test_digests_refs_and_names_are_checked():
+    """The rules themselves: what a layer digest, a ref and a store name may be."""
+    from edgespec.models import classify, stores
+
+    assert stores.DIGEST_RE.fullmatch("sha256:" + "a" * 64) and stores.DIGEST_RE.fullmatch("sha256-" + "0" * 64)
+    for bad in ("sha256:" + "A" * 64, "sha256:" + "a" * 63, "sha256:../../x", "/etc/passwd:x", "sha512:" + "a" * 64):
+        assert not stores.DIGEST_RE.fullmatch(bad), bad
+    assert classify("ollama:qwen2.5-coder:1.5b").store.name == "registry.ollama.ai/library/qwen2.5-coder"
+    for bad in ("ollama:../../x", "ollama:a/../b", "ollama:x:..", "lmstudio:../x/y", "ollama:"):
+        name = classify(bad)
+        assert name.kind == "store" and name.problem, bad
+        with pytest.raises(CatalogError):
+            name.check()
+    assert classify("smollm2-135m-instruct:q8_0").quant == "q8_0" and classify("./x.gguf").kind == "path"
+    assert classify("nosuch-model").problem.startswith("unknown model")
+
+
+def test_refs_must_name_a_commit(tmp_path):
+    folder = tmp_path / "models--a--b"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("c" * 40 + "\n")
+    assert hub.read_ref(folder) == "c" * 40
+    for bad in ("../../../etc", "/etc", "main", "c" * 39, "C" * 40):
+        (folder / "refs" / "main").write_text(bad)
+        with pytest.raises(CatalogError, match="not a commit hash"):
+            hub.read_ref(folder)
+    assert hub.read_ref(folder, "nosuch") is None
+
+
+def test_dir_scan_checks_split_parts(home, tmp_path):
+    """`--dir` groups a split GGUF's parts as the stores do: one with parts missing is a note."""
+    from edgespec.models.stores import scan
+
+    (tmp_path / "sub").mkdir()
+    place(home["tiny"], tmp_path / "sub" / "Big-Q8_0-00001-of-00002.gguf")
+    place(home["tiny"], tmp_path / "Whole-Q8_0-00001-of-00002.gguf")
+    place(home["tiny"], tmp_path / "Whole-Q8_0-00002-of-00002.gguf")
+    found = {f.name: f for f in scan((str(tmp_path),)) if f.store == "dir"}
+    big = found[str(tmp_path / "sub" / "Big-Q8_0-00001-of-00002.gguf")]
+    assert big.path is None and big.note == "split GGUF with 1 of its 2 parts"
+    whole = found[str(tmp_path / "Whole-Q8_0-00001-of-00002.gguf")]
+    assert whole.path is not None and whole.parts == (tmp_path / "Whole-Q8_0-00002-of-00002.gguf",)
+    assert len(found) == 2
+
+
+def test_download_checked_once_against_the_hubs_hash(tmp_path, monkeypatch):
+    """A downloaded file against the Hub's hash: a match is recorded and not hashed again while
+    the file stays as it was; a mismatch is one line; a changed file is hashed again."""
+    from edgespec.errors import ChecksumError
+    from edgespec.models import checksums
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "blobs" / "x"
+    f.parent.mkdir()
+    f.write_bytes(b"GGUF and some bytes")
+    sha = hashlib.sha256(f.read_bytes()).hexdigest()
+    checksums.verify_once(f, sha, "acme/x:x")
+    assert checksums.verify_once(f, _git_oid(f.read_bytes()), "acme/x:x") is None  # a file kept in git: its oid
+    hashed = []
+    monkeypatch.setattr(checksums, "sha256_of", lambda p: hashed.append(p) or sha)
+    checksums.verify_once(f, sha, "acme/x:x")
+    assert hashed == []  # recorded: not hashed again
+    monkeypatch.undo()
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ChecksumError, match=r"^acme/x:x: .* has sha256 [0-9a-f]{64}, the Hub says 0{64}; not used"):
+        checksums.verify_once(f, "0" * 64, "acme/x:x")
+    f.write_bytes(b"GGUF and other bytes")  # changed on disk: its record no longer holds
+    with pytest.raises(ChecksumError):
+        checksums.verify_once(f, sha, "acme/x:x")
+    with pytest.raises(ChecksumError, match="no usable hash"):
+        checksums.verify_once(f, "../etc", "acme/x:x")

@@ -521,7 +521,10 @@ def cmd_run(a: RunOptions) -> int:
     else:
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
-        print(f"[{a.spec}{' (' + used + ')' if used != a.spec else ''}] {st.summary()}"
+        # a draft model edgespec chose (not -md) is named: it may be any file found in a store
+        picked = (f"; draft model {engine.cfg.draft} ({engine.cfg.draft_why})"
+                  if engine.draft_model and engine.cfg.draft_why in ("same vocabulary", "catalog pair") else "")
+        print(f"[{a.spec}{' (' + used + ')' if used != a.spec else ''}] {st.summary()}{picked}"
               f"{' - stopped' if interrupted else ''}", file=sys.stderr)
     engine.close()  # writes back what the cost curve's online correction learned, for the next run
     return EXIT_INTERRUPTED if interrupted else 0
@@ -604,9 +607,9 @@ def cmd_models(a: ModelsOptions) -> int:
     for r in good:
         print(f"  {r['name']:<{w}}  {r['store']:<9} {r['arch']:<10} {_count(r['params']):>7}  {r['quant']:<8} "
               f"{r['size'] / 1e6:7.1f} MB  {r['context_length'] or '?':>7}  {r['n_vocab']} {r['vocab']}")
-    for r in found:
+    for r in found:  # one line each, whatever a file's name holds
         if "note" in r:
-            print(f"  note: {r['name']}: {r['note']}")
+            print(f"  note: {r['name']}: {r['note']}".replace("\n", "\\n").replace("\r", "\\r"))
     pairs = [r for r in good if r["drafts"]]
     if pairs:
         print(f"\ndrafts (same vocabulary, at most {DRAFT_SHARE:.0%} of the parameters; auto takes the first):")
