@@ -36,6 +36,14 @@ TILED_MIN_ROWS = 33
 _state: dict = {"kernels": "stock", "why": "not loaded yet"}
 
 
+def tiled_min_rows() -> int:
+    """The tiled K-quant kernel's row floor in force (patch 0002): edgespec's, or the user's."""
+    try:
+        return max(1, int(os.environ.get(TILED_MIN_ROWS_ENV, "")))
+    except ValueError:
+        return TILED_MIN_ROWS
+
+
 def cache_dir() -> Path:
     """Where `edgespec kernels --build` puts a build (the user cache folder)."""
     from .models import cache_root

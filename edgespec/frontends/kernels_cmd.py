@@ -13,8 +13,10 @@ from .options import KernelsOptions
 def describe(info: dict) -> str:
     """One line: what runs and what it means for exact speculation (doctor prints it too)."""
     if info["kernels"] == "batch-invariant":
+        floor = kernels.tiled_min_rows()
         return (f"batch-invariant (edgespec's patched ggml-cpu, {info['path']}): batches of up to "
-                f"{kernels.TILED_MIN_ROWS - 1} rows give the bits of one-row decodes on K-quant weights too")
+                f"{floor - 1} rows give the bits of one-row decodes on K-quant weights too"
+                + ("" if floor == kernels.TILED_MIN_ROWS else f" ({kernels.TILED_MIN_ROWS_ENV}={floor} in the environment)"))
     return (f"llama.cpp's stock kernels ({info['why']}): on K-quant weights (Q4_K_M ...) batches of 4 rows and more "
             "differ from one-row decodes, so exact verification is capped by the exactness probe")
 
