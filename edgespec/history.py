@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 from .trie import OUTPUT, Cursor, TokenTrie
@@ -28,6 +29,9 @@ LOCAL = "local.npz"  # the local user's (chat)
 # (a few hundred thousand nodes: tens of MB in memory, a few MB on disk).
 CAPACITY = 300_000
 WINDOW = 24  # the branches' length, as lookahead's own trie (drafters.lookahead.WINDOW)
+# Between replies the file is written at most this often (a full trie takes about a second to
+# write); closing (the engine's, at exit) always writes.
+SAVE_EVERY_S = 60.0
 
 
 def folder(cache_root: Path) -> Path:
@@ -51,6 +55,7 @@ class History:
         self.path = path
         self.trie = trie or TokenTrie(window=WINDOW, capacity=CAPACITY)
         self._dirty = False
+        self._saved_at = -SAVE_EVERY_S  # the first reply is written at once
 
     @classmethod
     def open(cls, path: str | os.PathLike | None) -> "History":
@@ -70,10 +75,12 @@ class History:
             self.trie.extend(reply, OUTPUT, Cursor())
             self._dirty = True
 
-    def save(self) -> None:
-        """Write the trie if anything was added (atomically; the folder is the user's alone)."""
-        if not self._dirty or self.path is None:
+    def save(self, soon: bool = False) -> None:
+        """Write the trie if anything was added (atomically; the folder is the user's alone);
+        `soon`: only where SAVE_EVERY_S passed since it was last written."""
+        if not self._dirty or self.path is None or (soon and time.monotonic() - self._saved_at < SAVE_EVERY_S):
             return
+        self._saved_at = time.monotonic()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self.trie.save(self.path)

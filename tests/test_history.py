@@ -35,7 +35,7 @@ def test_history_is_kept_across_restarts_bounded_and_private(tmp_path):
     path = tmp_path / "history" / "local.npz"
     h = History.open(path)
     h.add(REPLY)
-    h.save()
+    h.save(soon=True)
     assert oct(os.stat(path).st_mode & 0o777) == "0o600" and oct(os.stat(path.parent).st_mode & 0o777) == "0o700"
     again = History.open(path)
     assert again.trie.walk(REPLY[:8]) is not None and again.trie.walk([1, 2]) is None
@@ -44,6 +44,12 @@ def test_history_is_kept_across_restarts_bounded_and_private(tmp_path):
     for i in range(50):
         small.add([1000 + (i * 7 + j) % 997 for j in range(40)])
         assert small.trie.n_nodes <= 500
+    # between replies written at most once a minute (the first at once), always when closed
+    h.add([7, 8, 9])
+    h.save(soon=True)
+    assert History.open(path).trie.walk([7, 8, 9]) is None
+    h.close()
+    assert History.open(path).trie.walk([7, 8, 9]) is not None
     # an unreadable file: a new history, rewritten at the next save
     path.write_bytes(b"not a trie")
     assert History.open(path).trie.n_nodes == 0

@@ -162,7 +162,7 @@ class LookaheadDrafter:
     def end(self) -> None:
         if self.history is not None and not self.shared:  # this reply, for the user's later ones
             self.history.add(self._context[self._n_prompt:])
-            self.history.save()
+            self.history.save(soon=True)
         # a trie of this generation's own without a cache file dies with the drafter: nothing
         # to release (a walk of every node, milliseconds on a long answer)
         if not self.shared and self.cache_path is not None:
