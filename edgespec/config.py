@@ -23,6 +23,7 @@ class EngineConfig:
     draft_n_min: int = 0
     draft_p_min: float = 0.0
     lookahead_cache: str | None = None
+    history: str | None = None  # the user's reply history file, a drafting source (edgespec.history); None: off
     max_branches: int = 8
     kv_type: str = "q8_0/f16"  # K/V cache types (llama.kv_types)
     pearl_gamma: int = 4

@@ -21,7 +21,7 @@ A busy machine shows as a low CPU share (the CPU time our threads got against th
 such a curve is measured with one pass instead of two or three (the probe compares every size
 on the first) and without its attention term, kept, and measured again as soon as the machine
 is quiet (`cpu_share`, between
-generations: see costmodel.due), not here again and again. Progress is reported through logging
+generations: see costcache.due), not here again and again. Progress is reported through logging
 (`extra={"progress": True, "task", "done", "total"}`, seconds): front ends draw it.
 """
 
@@ -103,7 +103,7 @@ def measure(ctx: Context, kv, report: bool = False, seed: int = 1234) -> CostMod
 
 
 def measure_curve(ctx: Context, kv, report: bool = False, seed: int = 1234) -> CostModel:
-    """The cost curve alone (its probe fields unset): a curve measured again (costmodel.heal)."""
+    """The cost curve alone (its probe fields unset): a curve measured again (costcache.heal)."""
     return _Pass(ctx, kv, False, report, seed).run()
 
 

@@ -7,7 +7,7 @@ calibration), which it closes without knowing what they are. Generations are sta
 name through the registry (`methods`: a drafter for the sequential loop, or a scheduler of its
 own). What it leaves to others: its settings (`config.EngineConfig`), the devices
 (`backend.devices_for`), the exactness policy in force (`exactness`), the cost curves' cache and
-upkeep (`costmodel.curve`, `keep_up`), prompt tokens (`prompts`), heads lookup (`heads.store`).
+upkeep (`costcache.curve`, `keep_up`), prompt tokens (`prompts`), heads lookup (`heads.store`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from functools import cached_property
 
 from . import backend, methods, prompts
 from .config import EngineConfig
-from .costmodel import CostModel, curve, keep_up, persist
+from .costcache import curve, keep_up, persist
+from .costmodel import CostModel
 from .drafters.base import Drafter, NullDrafter
 from .drafters.draft_model import check_vocab
 from .errors import EdgespecError
@@ -69,7 +70,7 @@ class Engine:
     def _measure_costs(self, quiet: bool, force: bool = False) -> None:
         """The draft model's and the target's cost curves, from the cache or measured (`force`:
         measured again, replacing the cached ones). The draft model's is read for its time per
-        token only (costmodel.load_or_measure's `one_row`): its first run waits for no curve."""
+        token only (costcache.load_or_measure's `one_row`): its first run waits for no curve."""
         c = self.cfg
         if self.draft_ctx is not None:
             self.draft_cost = curve(self.draft_ctx, self.draft_kv, c.n_gpu_layers_draft, c.rpc_draft, quiet, force,
@@ -85,7 +86,7 @@ class Engine:
     def heal_cost(self, quiet: bool = True) -> list[str]:
         """Between generations (never during one): measure the target's cost curve again where
         its online corrections stayed far from 1 or it was measured on a busy machine, once the
-        machine is quiet, else write back what they learned (costmodel.keep_up); the draft
+        machine is quiet, else write back what they learned (costcache.keep_up); the draft
         model's is read for t(1) only and not corrected. Returns why it was measured again."""
         self.cost, why = keep_up(self.ctx, self.kv, self.cost, quiet)
         return [why] if why else []

@@ -25,6 +25,14 @@ class StepEvent:
     accepted_depth: tuple[int, ...] = ()  # depth of each accepted node (1-based)
     drafted_depth: tuple[int, ...] = ()  # number of draft nodes at each depth 1..
     mode: str = ""  # PEARL: "pre" (first token verified while drafting) or "post" (draft on while verifying)
+    # The step's own token was the end of generation: the target yielded it (one token of the
+    # step's worth, as any token it picks), but it ends the text, so it is not in `tokens`.
+    ended: bool = False
+
+    @property
+    def n_yielded(self) -> int:
+        """Tokens this step yielded: those committed, and the end of generation where it came."""
+        return len(self.tokens) + self.ended
 
 
 @dataclass
@@ -37,13 +45,17 @@ class Stats:
     n_drafted: int = 0
     n_accept: int = 0
     n_draft_steps: int = 0  # steps that carried a non-empty draft
+    n_ended: int = 0  # steps whose own token ended the generation (yielded, not in n_generated)
     t_draft: float = 0.0
     t_verify: float = 0.0
     t_gen: float = 0.0  # wall time of generation (after the prompt)
     n_branches: int = 0
     drafted_at: list[int] = field(default_factory=list)  # per draft position (depth)
     accepted_at: list[int] = field(default_factory=list)
-    accepted_len_hist: list[int] = field(default_factory=list)  # steps by tokens committed
+    accepted_len_hist: list[int] = field(default_factory=list)  # steps by tokens yielded (StepEvent.n_yielded)
+    # per source that drafted (StepEvent.drafter: lookahead, history, draft, mtp, ...): [steps it
+    # drafted, tokens drafted, tokens accepted]; each accepted token is a plain step saved
+    by_source: dict[str, list[int]] = field(default_factory=dict)
     finish_reason: str = ""
     # PEARL only: rounds per mode, pre-verify rounds that ended early, and where time went.
     # For PEARL, t_draft is the time the target sat idle waiting for draft tokens.
@@ -61,14 +73,19 @@ class Stats:
         self.n_accept += ev.n_accept
         self.t_draft += ev.t_draft
         self.t_verify += ev.t_verify
+        self.n_ended += ev.ended
         if ev.n_drafted:
             self.n_draft_steps += 1
             self.n_branches += ev.n_branches
+            src = self.by_source.setdefault(ev.drafter or "?", [0, 0, 0])
+            src[0] += 1
+            src[1] += ev.n_drafted
+            src[2] += ev.n_accept
         for d, cnt in enumerate(ev.drafted_depth):
             _bump(self.drafted_at, d, cnt)
         for d in ev.accepted_depth:
             _bump(self.accepted_at, d - 1, 1)
-        _bump(self.accepted_len_hist, len(ev.tokens), 1)
+        _bump(self.accepted_len_hist, ev.n_yielded, 1)
 
     def merge(self, other: "Stats") -> None:
         """Add another generation's counts, times and histograms (a conversation's, a batch's or a
@@ -78,6 +95,11 @@ class Stats:
             if isinstance(mine, list):
                 for i, x in enumerate(theirs):
                     _bump(mine, i, x)
+            elif isinstance(mine, dict):
+                for k, xs in theirs.items():
+                    row = mine.setdefault(k, [0] * len(xs))
+                    for i, x in enumerate(xs):
+                        _bump(row, i, x)
             elif isinstance(mine, (int, float)) and not isinstance(mine, bool):
                 setattr(self, f.name, mine + theirs)
 
@@ -92,7 +114,10 @@ class Stats:
 
     @property
     def mean_accepted_length(self) -> float:
-        return self.n_generated / self.n_steps if self.n_steps else 0.0
+        """Tokens each target step yielded, on average: accepted draft tokens plus the target's
+        own, the end of generation included (the step that yields it did the work of a plain
+        step: plain decoding is 1.0, not 11 tokens over 12 steps)."""
+        return (self.n_generated + self.n_ended) / self.n_steps if self.n_steps else 0.0
 
     @property
     def tokens_per_s(self) -> float:

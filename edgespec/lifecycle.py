@@ -143,7 +143,9 @@ class Lifecycle:
         out, done = clip(self, committed)
         self.tokens.extend(out)
         self.context.extend(out)
-        ev = step_event(step, draft, accepted, out, t_draft, t_verify, drafter, mode)
+        # cut at the end of generation: the step yielded the end token (see StepEvent.ended)
+        ended = done and len(out) < len(committed) and self.engine.target.is_eog(committed[len(out)])
+        ev = step_event(step, draft, accepted, out, t_draft, t_verify, drafter, mode, ended)
         self.stats.add(ev)
         self.stats.t_gen = time.perf_counter() - self.t_start
         return ev, done
@@ -172,16 +174,17 @@ def clip(gen: Lifecycle, committed: list[int]) -> tuple[list[int], bool]:
 
 
 def step_event(step: int, draft: Draft, accepted: list[int], out: list[int], t_draft: float, t_verify: float,
-               drafter: str, mode: str = "") -> StepEvent:
+               drafter: str, mode: str = "", ended: bool = False) -> StepEvent:
     """The event of one verification step: `accepted` are draft nodes, `out` the tokens the
-    step committed after `clip` (a step cut at end-of-generation keeps fewer)."""
+    step committed after `clip` (a step cut at end-of-generation keeps fewer); `ended`: it was
+    cut at the end of generation, which it yielded."""
     acc_depths = tuple(range(1, len(accepted) + 1)) if draft.is_chain else tuple(draft.depths()[a] for a in accepted)
     n_acc = min(len(accepted), len(out))
     return StepEvent(
         step=step, n_drafted=len(draft), n_accept=n_acc, n_branches=len(draft.leaves()) if draft.tokens else 0,
         tokens=tuple(out), from_draft=tuple(i < n_acc for i in range(len(out))),
         t_draft=t_draft, t_verify=t_verify, drafter=drafter,
-        accepted_depth=acc_depths[:n_acc], drafted_depth=_depth_counts(draft), mode=mode,
+        accepted_depth=acc_depths[:n_acc], drafted_depth=_depth_counts(draft), mode=mode, ended=ended,
     )
 
 

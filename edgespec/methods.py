@@ -27,6 +27,8 @@ class Options:
 
     seed: int | None = None  # the request's seed (None: fresh randomness)
     shared: Any = None  # a SharedLookahead when many requests draft from one trie (batch)
+    # the user's reply history file (edgespec.history), e.g. one API key's; None: the engine's own
+    history: str | None = None
     max_branches: int = 1  # sequence ids the target context lends to tree branches
     single_sequence: bool = True  # False under -np > 1: chains without a draft model only
 
@@ -63,17 +65,28 @@ def _ngram(engine, opt):
 
 
 def _lookahead(engine, opt):
-    from .drafters.lookahead import LookaheadDrafter, new_calibration
+    from .drafters.lookahead import HISTORY, LookaheadDrafter, Sources
 
     if opt.shared is not None:
         return opt.shared.drafter(opt.max_branches)
-    # what the target accepted after each match length is learned across the engine's generations
-    # (a chat's turns, a bench's prompts), as batch mode shares it across requests
-    from .side import Kept
+    # what the target accepted after each match length, per source, is learned across the
+    # engine's generations (a chat's turns, a bench's prompts) and, beside the cost curve, processes
 
-    calib = engine.side.keep("lookahead", lambda: Kept(new_calibration())).value
+    cals = engine.side.keep("lookahead", lambda: Sources(engine.cost)).value
     return LookaheadDrafter(cache_path=engine.cfg.lookahead_cache, max_branches=opt.max_branches,
-                            calib=calib, is_stop=engine.target.is_eog)
+                            calib=cals["lookahead"], is_stop=engine.target.is_eog,
+                            history=_history(engine, opt), history_calib=cals[HISTORY])
+
+
+def _history(engine, opt):
+    """The user's past replies (edgespec.history) where a history file is set: one held at a
+    time, so that two users' (two API keys') replies never meet."""
+    path = opt.history or engine.cfg.history
+    if not path:
+        return None
+    from .history import History
+
+    return engine.side.keep("history", lambda: History.open(path), fits=lambda h: str(h.path) == str(path))
 
 
 def _draft(engine, opt):

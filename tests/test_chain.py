@@ -108,7 +108,8 @@ def test_the_first_member_is_never_gated_and_gates_outlive_a_generation(clock):
 def test_gates_round_trip_beside_the_cost_curve(clock, tmp_path):
     """What the chain learned is written beside the target's cost curve and read back by the
     next process; a record it cannot read is learned again."""
-    from edgespec.costmodel import flat, load_extra, store_extra
+    from edgespec.costcache import load_extra, store_extra
+    from edgespec.costmodel import flat
     import json
 
     gates = ChainGates()

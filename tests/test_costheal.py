@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from edgespec.costmodel import EXPLORE_EVERY, EXPLORE_NODES, FAR, HEAL_RETRY_S, KS, MIN_EVIDENCE, QUIET_SHARE, CostModel, due
+from edgespec.costcache import HEAL_RETRY_S, due
+from edgespec.costmodel import EXPLORE_EVERY, EXPLORE_NODES, FAR, KS, MIN_EVIDENCE, QUIET_SHARE, CostModel
 from edgespec.models import cache_root
 
 from conftest import PROMPTS

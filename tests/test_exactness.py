@@ -172,7 +172,7 @@ def test_probe_finds_the_f16_split_path_and_keeps_q8_0_k_exact(smol):
     """llama.cpp's CPU attention takes a split-KV path for one row past 512 cells when K and V
     are both f16: the probe's long-context stage sees it. K and V of different types (the
     q8_0/f16 default) keep one path for every row count, at long contexts too."""
-    from edgespec.costmodel import probe_exactness
+    from edgespec.costmeasure import probe_exactness
     from edgespec.kv import KVSeq
     from edgespec.llama import Context, ContextConfig
 

@@ -117,7 +117,10 @@ def test_stats_are_consistent(smol):
     assert st.n_accept <= st.n_drafted
     # each step commits its accepted drafts plus one token of the target's own (the last may be cut)
     assert st.n_steps + st.n_accept - 1 <= st.n_generated <= st.n_steps + st.n_accept
-    assert abs(st.mean_accepted_length - st.n_generated / st.n_steps) < 1e-9
+    # tokens per step, the end of generation counted where a step yielded it (never below 1)
+    assert st.n_ended == (st.finish_reason == "stop")
+    assert abs(st.mean_accepted_length - (st.n_generated + st.n_ended) / st.n_steps) < 1e-9
+    assert st.mean_accepted_length >= 1.0 and st.accepted_len_hist[0] == 0
     assert sum(st.accepted_at) == st.n_accept
     d = st.to_dict()
     for key in ("n_drafted", "n_accept", "acceptance_rate", "mean_accepted_length", "t_draft", "t_verify",

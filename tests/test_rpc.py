@@ -56,7 +56,7 @@ def cache(tmp_path_factory):
     (the local setups' are not measured again)."""
     import shutil
 
-    from edgespec.costmodel import COSTS_FILE
+    from edgespec.costcache import COSTS_FILE
     from edgespec.models import cache_root
 
     d = tmp_path_factory.mktemp("cache")

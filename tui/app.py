@@ -213,6 +213,15 @@ class StatsPanel(Static):
         t.append(f"accept   {acc:>4}  mean len {st.mean_accepted_length:.2f}\n")
         t.append(f"tokens   {st.n_generated}  steps {st.n_steps}\n")
         t.append(f"drafted  {st.n_drafted}  accepted {st.n_accept}\n")
+        if st.by_source:  # which source drafted, and the plain steps its accepted tokens saved
+            srcs = sorted(st.by_source.items(), key=lambda kv: -kv[1][2])
+            if compact:
+                line = "saved    " + "  ".join(f"{name} {acc}" for name, (_, _, acc) in srcs)
+                t.append(line[:PANEL_WIDTH] + "\n")
+            else:
+                t.append("source     saved steps  drafted\n", style="bold")
+                for name, (_, drafted, acc) in srcs[:4]:
+                    t.append(f" {name[:12]:<12} {acc:>9}  {drafted:>7}\n")
         if st.n_prompt_cached:  # a conversation's turn read only what it added (KV reuse)
             t.append(f"prompt   {st.n_prompt_eval} read  {st.n_prompt_cached} cached\n")
         busy = st.t_draft + st.t_verify
@@ -235,7 +244,7 @@ class StatsPanel(Static):
                 t.append("tokens per step\n", style="bold")
                 width = len(str(top))
                 for n, c in enumerate(hist):
-                    if n == 0:  # a last step cut at end-of-generation commits nothing
+                    if n == 0:  # none: every step yields a token, the end of generation included
                         continue
                     t.append(f" {n:2d} {'▇' * max(1, round(16 * c / top)) if c else '':16s} {c:>{width}}\n")
         pos = st.acceptance_by_position

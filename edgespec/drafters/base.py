@@ -139,6 +139,16 @@ class Calibration:
         d = min(depth, len(self.est)) - 1
         return float(self.acc[d] / self.est[d])
 
+    def state(self) -> list[list[float]]:
+        """What it learned (the decayed sums per depth), as JSON: kept beside the cost curve."""
+        return [[round(float(x), 6) for x in self.est], [round(float(x), 6) for x in self.acc]]
+
+    def restore(self, state) -> None:
+        est, acc = (np.asarray(x, dtype=np.float64) for x in state)
+        if est.shape != self.est.shape or acc.shape != self.est.shape or not (est > 0).all() or (acc < 0).any():
+            raise ValueError("a calibration of another shape")
+        self.est, self.acc = est, acc
+
     def update(self, draft: Draft, accepted: list[int], skip: set[int] | frozenset[int] = frozenset()) -> None:
         """Learn from one verified draft; nodes in `skip` are left to another calibration."""
         if not draft.tokens or draft.est is None:

@@ -15,7 +15,7 @@ not see. So every member after the first is also judged by what it actually did,
 When a member's gains over its last `window` askings sum below zero, it is switched off for a
 while (64 steps, doubling while it keeps losing, at most 4096) and then tried again. The gates
 outlive a generation (a chat's turns) and a process: the engine writes them beside its cost curve
-(`costmodel.store_extra`), keyed by the member and its model, so that the next `edgespec run`
+(`costcache.store_extra`), keyed by the member and its model, so that the next `edgespec run`
 does not pay again to learn that a draft model loses on this machine. This judges a member only
 by the past; which member drafts never changes what the target commits (every draft is
 verified), so greedy output stays identical to plain decoding and sampled output keeps the target's
@@ -27,7 +27,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from ..costmodel import CostModel, load_extra, store_extra
+from ..costcache import load_extra, store_extra
+from ..costmodel import CostModel
 from ..draft import Draft
 from .base import FEATURES, NEXTN_ROWS, NOTHING, Budget, Drafter, sized
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..costmodel import CostModel, load_extra, store_extra
+from ..costcache import load_extra, store_extra
+from ..costmodel import CostModel
 from ..draft import Draft
 from ..errors import VocabMismatchError
 from ..gguf_check import compare_vocab

@@ -4,6 +4,12 @@ The trie holds n-gram branches of the prompt and of everything generated; each s
 longest suffix of the context and proposes a tree of the most frequent continuations, which the
 scheduler sizes on the machine's verification cost curve. With `cache_path` the trie lives across
 runs: prompt branches are released when a request ends, output branches are saved.
+
+With a `history` (the replies this user received before: edgespec.history) the drafter has a
+second source: each step it matches the context in both tries and drafts from the one whose
+likeliest next token is the more likely once calibrated, each source with calibrations of its
+own, per match length, learned from what the target accepted (`Sources`; kept beside the cost
+curve across processes). The reply is added to the history when it ends.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+from ..costcache import load_extra, store_extra
+from ..costmodel import CostModel
 from ..draft import Draft
+from ..history import History
 from ..trie import OUTPUT, PROMPT, Cursor, TokenTrie
 from .base import NOTHING, Budget, Calibration, Candidates, Proposal
 
@@ -39,6 +48,8 @@ class LookaheadDrafter:
         shared: bool = False,
         calib: dict[int, Calibration] | None = None,
         is_stop: Callable[[int], bool] | None = None,
+        history: History | None = None,
+        history_calib: dict[int, Calibration] | None = None,
     ):
         """`shared`: the trie is fed by several requests at once (batch mode); each drafter keeps
         its own insertion cursor, and prompt branches stay until the owner releases them.
@@ -46,7 +57,8 @@ class LookaheadDrafter:
         a branch is drafted up to it, without it: a chat prompt's branches run on into the
         template's `<|im_end|>`, `<|im_start|>assistant`, which an answer never continues into,
         and the end token itself needs no row (where the target ends there, the row before it
-        yields it as the step's own token)."""
+        yields it as the step's own token). `history`: the user's past replies, a second source
+        (calibrated by `history_calib`)."""
         self.cache_path = Path(cache_path) if cache_path else None
         self.trie = trie or load_trie(self.cache_path, window)
         self.shared = shared
@@ -60,9 +72,15 @@ class LookaheadDrafter:
         self._s = 1
         self._closing: list[int] = []  # nodes of the last draft that close a prompt's message
         self._ends: tuple[int, ...] = ()
+        self.history = history
+        self.history_calib = history_calib if history_calib is not None else new_calibration(max_match)
+        self._cal = self.calib  # the calibrations of the source that made the last draft
+        self._context: list[int] = []
+        self._n_prompt = 0
 
     def begin(self, prompt: list[int]) -> None:
         self._cursor = Cursor()
+        self._context = []
         self.trie.extend(prompt, PROMPT, self._cursor)
         self._n_prompt = len(prompt)
         # the end-of-turn tokens in the prompt: a token a message of it ended on is priced by
@@ -73,19 +91,32 @@ class LookaheadDrafter:
             self.calib[CLOSING] = Calibration(prior=CLOSING_PRIOR)
 
     def propose(self, context: list[int], budget: Budget) -> Proposal:
+        self._context = context  # the generation's own list, grown in place: the reply at `end`
         trie = self.trie
         trie.extend(context, OUTPUT, self._cursor)
         node, s = trie.match(context, self.max_match, self._cursor)
         limit = min(self.max_nodes, budget.max_nodes)
-        if node is None or limit <= 0:
+        if limit <= 0:
             return Draft()
-        cal = self.calib[s]
-        raw = trie.best_share(node)
-        ends = self._ends
-        end_cal = self.calib[CLOSING].factor if ends else None
-        f1 = cal.factor(1)
-        if end_cal is not None:
-            f1 = max(f1, end_cal(1))
+        cals, source, ends = self.calib, self.name, self._ends
+        f1 = raw = 0.0
+        if node is not None:
+            raw = trie.best_share(node)
+            f1 = cals[s].factor(1)
+            if ends:
+                f1 = max(f1, cals[CLOSING].factor(1))
+        if self.history is not None:  # the source whose likeliest next token is the likelier
+            h_node, h_s = self.history.trie.match(context, self.max_match)
+            if h_node is not None:
+                h_raw = self.history.trie.best_share(h_node)
+                h_f1 = self.history_calib[h_s].factor(1)
+                if node is None or min(1.0, h_f1 * h_raw) > min(1.0, f1 * raw):
+                    trie, node, s, raw, f1 = self.history.trie, h_node, h_s, h_raw, h_f1
+                    cals, source, ends = self.history_calib, HISTORY, ()
+        if node is None:
+            return Draft()
+        cal = cals[s]
+        end_cal = cals[CLOSING].factor if ends else None
         # Every path below the node is at most as likely as its best first token: where `limit`
         # nodes each that likely would not pay, no tree from here will (most steps of free
         # text), and the expansion is skipped.
@@ -94,11 +125,12 @@ class LookaheadDrafter:
             cands = trie.candidates(node, limit, min(self.max_branches, budget.max_branches), cal.factor,
                                     is_stop=self.is_stop, ends=ends, end_calib=end_cal)
         return Candidates([c.path for c in cands] if cands else [],
-                          lambda size: self._take(cands, size, node, s, raw, end_cal))
+                          lambda size: self._take(cands, size, node, s, raw, end_cal, trie, cals, source, ends))
 
-    def _take(self, cands, size: int, node, s: int, raw: float, end_cal) -> Draft:
+    def _take(self, cands, size: int, node, s: int, raw: float, end_cal, trie: TokenTrie,
+              cals: dict[int, Calibration], source: str, ends: tuple[int, ...]) -> Draft:
         """The first `size` candidates as a tree (see `_as_tree`)."""
-        cal = self.calib[s]
+        cal = cals[s]
         if size == 0:
             # Not paying now. Probe with the best token now and then, so that a match length whose
             # factor fell below its prior can recover; only where the prior itself expects the
@@ -108,26 +140,29 @@ class LookaheadDrafter:
             if self._skipped < 16 or cal.factor(1) >= prior or min(1.0, prior * raw) < 0.5:
                 return Draft()
             # the best first token: already expanded unless the bound skipped the expansion
-            cands = cands or self.trie.candidates(node, 1, 1, cal.factor, is_stop=self.is_stop, ends=self._ends,
-                                                  end_calib=end_cal)
+            cands = cands or trie.candidates(node, 1, 1, cal.factor, is_stop=self.is_stop, ends=ends,
+                                             end_calib=end_cal)
             if not cands:
                 return Draft()
             size = 1
         self._skipped = 0
-        self._s = s
-        draft, self._closing = _as_tree(cands[:size], self.name)
+        self._s, self._cal = s, cals
+        draft, self._closing = _as_tree(cands[:size], source)
         return draft
 
     def accept(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
         if draft.tokens:
-            closing = self._closing
+            closing, cals = self._closing, self._cal
             if closing:  # those nodes teach the calibration of message ends, the rest their match's
-                self.calib[self._s].update(draft, accepted, skip=set(closing))
-                self.calib[CLOSING].update(draft, accepted, skip=set(range(len(draft))) - set(closing))
+                cals[self._s].update(draft, accepted, skip=set(closing))
+                cals[CLOSING].update(draft, accepted, skip=set(range(len(draft))) - set(closing))
             else:
-                self.calib[self._s].update(draft, accepted)
+                cals[self._s].update(draft, accepted)
 
     def end(self) -> None:
+        if self.history is not None and not self.shared:  # this reply, for the user's later ones
+            self.history.add(self._context[self._n_prompt:])
+            self.history.save(soon=True)
         # a trie of this generation's own without a cache file dies with the drafter: nothing
         # to release (a walk of every node, milliseconds on a long answer)
         if not self.shared and self.cache_path is not None:
@@ -187,6 +222,7 @@ PRIOR_LONG = 1.3
 # what is drafted (a node that comes free with a larger tree).
 CLOSING = 0
 CLOSING_PRIOR = 0.3
+HISTORY = "history"  # the source name of drafts from the user's past replies (Draft.source, the stats' drafter)
 
 
 def new_calibration(max_match: int = 8) -> dict[int, Calibration]:
@@ -218,3 +254,33 @@ def _as_tree(cands, source: str) -> tuple[Draft, list[int]]:
         for j in sorted(kids.get(i, []), key=lambda j: cands[j].path):
             stack.append((j, idx))
     return Draft(tokens, parents, None, source, est), closing
+
+
+class Sources:
+    """The calibrations of lookahead's sources (its own trie: `lookahead`; the user's past replies:
+    `history`), per match length, learned across an engine's generations and, beside the target's
+    cost curve, across processes: what the target accepted after a match of s tokens from each
+    source is what the next step is priced at. A side context of the engine: `close` writes them."""
+
+    bound = False
+    KEY = "lookahead-calibration"
+
+    def __init__(self, cost: CostModel | None):
+        self.cost = cost
+        self.value: dict[str, dict[int, Calibration]] = {"lookahead": new_calibration(), HISTORY: new_calibration()}
+        kept = load_extra(cost, self.KEY)
+        if isinstance(kept, dict):
+            for name, cals in self.value.items():
+                for s, state in (kept.get(name) or {}).items():
+                    try:
+                        cal = cals.get(int(s))
+                        if cal is not None:
+                            cal.restore(state)
+                    except (TypeError, ValueError):
+                        continue  # a record from another version: that length learns again
+
+    def state(self) -> dict:
+        return {name: {str(s): c.state() for s, c in cals.items()} for name, cals in self.value.items()}
+
+    def close(self) -> None:
+        store_extra(self.cost, self.KEY, self.state())

@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-reuse", dest="reuse", action="store_false",
                    help="read the whole conversation again every turn (default: the KV cache keeps it, and a turn "
                         "reads only what it adds)")
+    c.add_argument("--no-history", dest="history", action="store_false",
+                   help="do not draft from the replies you received before, nor keep this chat's (default: they are "
+                        "kept in a bounded file in the model cache, shown by `edgespec doctor`, and drafted from)")
     _add_model_args(c, default_model=CHAT_MODEL)
     _add_spec_args(c)
     _add_sampling_args(c)
@@ -252,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "most 8 GiB; 0: off)")
     sv.add_argument("--no-reuse", dest="reuse", action="store_false",
                     help="read every request's prompt in full (no slot reuse, no RAM cache)")
+    sv.add_argument("--no-history", dest="history", action="store_false",
+                    help="with --api-key: do not draft from the replies that key received before, nor keep them "
+                         "(default: kept in a bounded file of that key's own, never shared with another key)")
     sv.add_argument("-q", "--quiet", action="store_true", help="no progress while the model loads")
     _add_model_args(sv)
     _add_spec_args(sv)
@@ -539,6 +545,11 @@ def cmd_chat(a: ChatOptions) -> int:
     cfg = _engine_config(a.models, a.drafting, a.spec)
     if interactive:  # the drafter can be switched live: allow trees
         cfg = replace(cfg, max_branches=8)
+    if a.history:  # the replies this user received, kept across conversations (edgespec.history)
+        from .. import history
+        from ..models import cache_root
+
+        cfg = replace(cfg, history=str(history.path_for(cache_root())))
     engine = Engine(cfg, quiet=not interactive)
     session = ChatSession(engine, a.spec, sampling, a.n_predict, a.system, reuse=a.reuse)
     if interactive:

@@ -32,7 +32,19 @@ def report(engine) -> dict:
                         "far_off": engine.cost.far_off()},
         "methods": methods.available(engine), "auto": methods.auto_members(engine),
         "draft_model": cfg.draft if engine.draft_model else None, "draft_model_why": cfg.draft_why or None,
+        "reply_history": _history(),
     }
+
+
+def _history() -> dict:
+    """The local user's reply history (`chat`'s drafting source) and the API keys' (`serve`)."""
+    from .. import history
+    from ..models import cache_root
+
+    root = cache_root()
+    keys = sorted(history.folder(root).glob("key-*.npz")) if history.folder(root).exists() else []
+    return {**history.describe(history.path_for(root)), "capacity": history.CAPACITY, "api_keys": len(keys),
+            "api_keys_bytes": sum(p.stat().st_size for p in keys)}
 
 
 def _size(n: int) -> str:
@@ -89,4 +101,9 @@ def run_doctor(a: DoctorOptions, cfg) -> int:
                "catalog pair": "the catalog's pair"}.get(r["draft_model_why"], "-md")
         print(f"draft model: {r['draft_model']} ({why}; -md none: without)")
     print(f"methods: {', '.join(r['methods'])}; auto drafts with {' then '.join(r['auto'])}")
+    h = r["reply_history"]
+    kept = (f"{h['bytes'] / 2**20:.1f} MiB, {h['nodes']} trie nodes of at most {h['capacity']}"
+            if h["exists"] else "none kept yet")
+    print(f"reply history (chat drafts from it; --no-history: off): {h['path']} ({kept})"
+          + (f"; {h['api_keys']} API keys' (serve): {h['api_keys_bytes'] / 2**20:.1f} MiB" if h["api_keys"] else ""))
     return 0

@@ -92,6 +92,7 @@ class ChatOptions(_Constrained):
     n_predict: int
     system: str | None
     reuse: bool
+    history: bool = True  # the user's past replies as a drafting source (--no-history: off)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class ServeOptions(_Decoding):
     cache_ram: int | None  # MiB; None: promptcache.cache_bytes's default
     reuse: bool
     quiet: bool
+    history: bool = True  # with an API key: that key's past replies as a drafting source (edgespec.history)
 
 
 @dataclass(frozen=True)

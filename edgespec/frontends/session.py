@@ -133,6 +133,6 @@ class ChatSession:
         self.total.merge(gen.stats)
         # between turns: a cost curve that proved far off (or was measured on a busy machine) is
         # measured again once the machine is quiet, its progress reported (front ends show it),
-        # else what its online correction learned is written back (costmodel.keep_up)
+        # else what its online correction learned is written back (costcache.keep_up)
         self.engine.heal_cost(quiet=False)
         return reply

@@ -280,7 +280,8 @@ def run_batch_bench(a: BenchOptions, engine_cfg, methods: list[str], suite: list
                      "decode_tokens_per_s": round(geomean([t.decode_throughput for t in tots]), 1),
                      "decode_speedup": _r(geomean(dsp)), "prompt_s": round(sum(t.t_prompt for t in tots) / len(tots), 2), "wall_s": round(sum(t.wall for t in tots) / len(tots), 2),
                      "acceptance_rate": _r(accepted / drafted if drafted else None),
-                     "mean_accepted_length": _r(out / steps if steps else None),
+                     # the end of generation a step yielded counts (Stats.mean_accepted_length)
+                     "mean_accepted_length": _r((out + sum(t.stats.n_ended for t in tots)) / steps if steps else None),
                      "failed": sum(t.failed for t in tots)})
     print(f"Batch throughput: {len(reqs)} requests per batch, {results[cells[0]][0].tokens_in} prompt tokens, {results[cells[0]][0].tokens_out} generated per batch; "
           f"speedup against -np {nps[0]} none, same round.\n")

@@ -114,6 +114,13 @@ def run_serve(a: ServeOptions, cfg, sampling: SamplingConfig) -> int:
     from .worker import Worker
 
     api_key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key and a.history:  # the key's own reply history, never another key's (edgespec.history)
+        from dataclasses import replace
+
+        from ...history import path_for
+        from ...models import cache_root
+
+        cfg = replace(cfg, history=str(path_for(cache_root(), api_key)))
     sock = bind(a.host, a.port)  # before loading: a taken port fails at once
     host, port = sock.getsockname()[:2]
     try:

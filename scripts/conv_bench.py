@@ -1,0 +1,148 @@
+"""Chat as `edgespec chat` runs it: the default (`auto` with the reply history) against
+`--spec none`, on first-turn chat prompts, summaries of the prompt's text and two-turn revisions
+of the last reply, alternated, each conversation's last turn timed.
+
+    python scripts/conv_bench.py -m qwen2.5-coder-1.5b-instruct -t 2 --lock /tmp/edgespec-cpu.lock \\
+        --prompts ../shared/bench/prompts.jsonl --json out.json
+
+With `--lock FILE` each case's runs hold that lock (other jobs on a shared machine wait between
+cases rather than during one).
+
+One engine (the catalog's draft when cached, as `chat` pairs it); every conversation starts with
+the KV cache reset and an empty reply history of its own (no earlier run of the same prompt to
+copy from: a revision copies only the reply of its own first turn); the sources' calibrations
+and the cost curve are kept across conversations, as one user's process keeps them. Each case
+runs `--repeats` times per arm, arms alternated (none first, then default, then none, ...), and
+the figure is the ratio of the last turn's decode rate (tokens after the first per second),
+per case the median of its pairs. Greedy; the outputs of both arms are compared token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import math
+import statistics
+import tempfile
+from pathlib import Path
+
+from edgespec.engine import Engine, EngineConfig
+from edgespec.frontends.session import ChatSession
+from edgespec.sampling import SamplingConfig
+
+REVISIONS = [
+    ("revise-formal", "Give me four tips for writing clear emails.", "Rewrite your answer in a formal tone."),
+    ("revise-number", "List the main steps to make a cup of tea.", "Number every item of your answer."),
+    ("revise-repeat", "Explain what a Python list comprehension is, with an example.",
+     "Repeat your answer exactly, with a title line added at the top."),
+    ("revise-shorten", "Describe how a hash table works.", "Shorten your answer, keeping its sentences as they are."),
+]
+
+
+def cases(prompts_file: str | None) -> list[tuple[str, str, list[str]]]:
+    """(id, group, user turns)."""
+    out = []
+    if prompts_file:
+        for line in Path(prompts_file).read_text().splitlines():
+            d = json.loads(line)
+            turns = [m["content"] for m in d["messages"] if m["role"] == "user"]
+            if len(turns) != 1:
+                continue
+            cat = d["category"]
+            grp = "chat" if cat.startswith("chat") else "summary" if cat in ("quote-summarize", "rag", "extraction") else ""
+            if grp:
+                out.append((d["id"], grp, turns))
+    out += [(i, "revision", [a, b]) for i, a, b in REVISIONS]
+    return out
+
+
+def run(engine: Engine, method: str, turns: list[str], n: int, history: bool) -> tuple[list[int], float, dict]:
+    engine.kv.reset()
+    engine.side.release("history")  # an empty history of its own (see the module's doc)
+    if history:
+        Path(engine.cfg.history).unlink(missing_ok=True)
+    s = ChatSession(engine, method, SamplingConfig(temp=0.0), n)
+    r = None
+    for t in turns:
+        r = s.send(t)
+    st = r.stats
+    return r.tokens, st.tokens_per_s, {"by_source": st.by_source, "mal": round(st.mean_accepted_length, 3),
+                                       "tokens": st.n_generated}
+
+
+@contextlib.contextmanager
+def _locked(path: str | None):
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("-md", "--draft", default=None, help="draft model (default: the catalog's pair when cached)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompts", default=None)
+    ap.add_argument("--only", default="", help="comma-separated case ids or groups")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--lock", default=None, metavar="FILE", help="hold this lock (flock) during each case")
+    a = ap.parse_args()
+    draft = a.draft
+    if draft is None:
+        from edgespec.models import CATALOG, is_cached
+
+        pair = CATALOG.get(a.model)
+        draft = pair.draft if pair is not None and pair.draft and is_cached(pair.draft) else None
+    hist = Path(tempfile.mkdtemp(prefix="conv-bench-")) / "history.npz"
+    engine = Engine(EngineConfig(model=a.model, draft=draft, threads=a.threads, n_ctx=4096, history=str(hist)))
+    rows = []
+    try:
+        # one-time costs (the draft model's weights read from disk at its first decode, buffers)
+        # are paid here, not by the first case's `auto` arm
+        if engine.draft_kv is not None:
+            engine.draft_kv.extend(engine.prompt_tokens("warm up " * 64, raw=True), want_logits=False)
+            engine.draft_kv.reset()
+        for method in ("none", "auto"):
+            run(engine, method, ["Say hello."], 16, method == "auto")
+        todo = cases(a.prompts)
+        if a.only:
+            keep = set(a.only.split(","))
+            todo = [c for c in todo if c[0] in keep or c[1] in keep]
+        for cid, grp, turns in todo:
+            ratios, same, info = [], True, {}
+            with _locked(a.lock):
+                for _ in range(a.repeats):
+                    plain, r0, _ = run(engine, "none", turns, a.n, False)
+                    spec, r1, info = run(engine, "auto", turns, a.n, True)
+                    same &= plain == spec
+                    ratios.append(r1 / r0 if r0 else float("nan"))
+            row = {"id": cid, "group": grp, "ratio": round(statistics.median(ratios), 3),
+                   "ratios": [round(x, 3) for x in ratios], "identical": same, **info}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        engine.close()
+    print("\n| group | prompts | default / none, geomean | lowest | identical |")
+    print("|---|---|---|---|---|")
+    for grp in dict.fromkeys(r["group"] for r in rows):
+        rs = [r for r in rows if r["group"] == grp]
+        g = math.exp(statistics.mean(math.log(r["ratio"]) for r in rs))
+        low = min(rs, key=lambda r: r["ratio"])
+        print(f"| {grp} | {len(rs)} | {g:.2f}x | {low['ratio']:.2f}x ({low['id']}) | "
+              f"{sum(r['identical'] for r in rs)}/{len(rs)} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
