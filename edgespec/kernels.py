@@ -46,7 +46,7 @@ def tiled_min_rows() -> int:
 
 def cache_dir() -> Path:
     """Where `edgespec kernels --build` puts a build (the user cache folder)."""
-    from .models import cache_root
+    from .cachedir import cache_root
 
     return cache_root() / "kernels"
 

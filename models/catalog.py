@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cachedir import cache_root  # noqa: F401  (re-exported: edgespec.models.cache_root)
 from ..errors import CatalogError
 
 @dataclass(frozen=True)
@@ -99,17 +100,6 @@ CHAT_MODEL = "qwen2.5-coder-1.5b-instruct"
 QUANTS = ("q4_0", "q4_1", "q8_0", "f16")
 
 
-def cache_root() -> Path:
-    """`$EDGESPEC_CACHE`, else the platform's user cache folder: ~/.cache/edgespec on Linux,
-    ~/Library/Caches/edgespec on macOS, %LOCALAPPDATA%\\edgespec\\Cache on Windows."""
-    env = os.environ.get("EDGESPEC_CACHE")
-    if env:
-        return Path(env).expanduser()
-    from platformdirs import user_cache_path
-
-    return user_cache_path("edgespec", appauthor=False)
-
-
 def models_dir() -> Path:
     return cache_root() / "models"
 
@@ -164,16 +154,3 @@ def list_models() -> list[dict]:
              for p in (sorted(models_dir().glob("*.gguf")) if models_dir().is_dir() else ())
              if str(p) not in known and _size(p) is not None]
     return rows + extra
-
-
-def catalog_files() -> list:
-    """The GGUF files in edgespec's own cache (`stores.Found`), by catalog name where they are one."""
-    from .stores import Found
-
-    d = models_dir()
-    if not d.is_dir():
-        return []
-    names = {e.filename: e.name for e in CATALOG.values()}
-    names.update({f"{e.name}.{q}.gguf": f"{e.name}:{q}" for e in CATALOG.values() for q in QUANTS})
-    return [Found(names.get(p.name, str(p)), "catalog", p) for p in sorted(d.glob("*.gguf"))
-            if not p.name.startswith(".")]

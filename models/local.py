@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import EdgespecError, VocabMismatchError
 from . import hub, stores
-from .catalog import catalog_files, models_dir
+from .catalog import CATALOG, QUANTS, models_dir
 from .files import quant_of
 
 # a draft must be clearly smaller: at most this share of the target's parameters (Qwen2.5 0.5B
@@ -30,6 +30,17 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
               26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16",
               36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE"}
 _SPECIAL = ("tokenizer.ggml.model", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+
+
+def catalog_files() -> list:
+    """The GGUF files in edgespec's own cache (`stores.Found`), by catalog name where they are one."""
+    d = models_dir()
+    if not d.is_dir():
+        return []
+    names = {e.filename: e.name for e in CATALOG.values()}
+    names.update({f"{e.name}.{q}.gguf": f"{e.name}:{q}" for e in CATALOG.values() for q in QUANTS})
+    return [stores.Found(names.get(p.name, str(p)), "catalog", p) for p in sorted(d.glob("*.gguf"))
+            if not p.name.startswith(".")]
 
 
 def all_files(dirs: tuple[str, ...] = ()) -> list[stores.Found]:

@@ -123,19 +123,8 @@ def test_cycles_are_found():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-# Circles through modules this work does not own are left to their owners (reported in issue
-# 58): the model cache's package (edgespec.models: its modules import each other, and
-# `quantize` -> `llama` -> `kernels` -> `models.cache_root`) and the kernels' loader. A circle
-# through neither fails.
-ELSEWHERE = ("edgespec.models", "edgespec.kernels")
-
-
-def _elsewhere(module: str) -> bool:
-    return any(module == m or module.startswith(m + ".") for m in ELSEWHERE)
-
-
 def test_no_import_cycle():
-    found = [c for c in cycles(graph()) if not any(_elsewhere(m) for m in c)]
+    found = cycles(graph())
     assert not found, "import circles among edgespec's modules: " + "; ".join(" <-> ".join(c) for c in found)
 
 
