@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,10 @@ from synthetic_kquant import tiny_q4_k_fixture
 
 # Every row count from 1 to 32 against one-row decodes of the same tokens after a 40-token prefix,
 # on the tiny Q4_K_M model's random weights (tests/synthetic_kquant.py): Q4_K repacked (the GEMV for
-# 1-3 rows, the 4-row and 16-row GEMMs above) and Q6_K through the per-row kernel or the tiled one.
+# 1 row, the 2-3 row GEMV of patch 0004 for 2-3 rows and for the 2-3 rows a GEMM leaves, the 4-row and
+# 16-row GEMMs above) and Q6_K (output, blk.1.attn_v, blk.1.ffn_down) through the several-row dot
+# product of patch 0003 for every chunk of 2 rows or more (a breakpoint counts it: 768 calls for a
+# 3-row decode after a 4-token one), the per-row kernel for a 1-row chunk, the tiled one above its floor.
 _ROWS_CHILD = r"""
 import json, sys
 import numpy as np
@@ -81,6 +86,36 @@ def test_every_row_count_is_bit_identical_to_one_row(tiny_q4_k):
     assert any(stock["diff"][n] > 0.0 for n in range(4, 33)), stock["diff"]
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_matmul_rows_are_bit_identical_to_one_row(tiny_q4_k):
+    """The matrix products alone, through ggml (scripts/kernel_bench.py --check): every output value
+    of a product with N rows has the bits of the one-row product of its row, for each weight type
+    the tiny model holds (Q4_K repacked, Q6_K), at every row count the several-row kernels split
+    differently (1-8: the 2-3 row GEMV, 4-row GEMM plus 1-3 leftover rows, 4-row Q6_K groups and
+    their 1-3 row tails) and two above (16: the 16-row GEMM; 33: past the tiled kernel's floor,
+    which edgespec sets to 33, so that one is expected to differ and shows the check can fail)."""
+    if not kernels.batch_invariant():
+        pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler to build the matmul harness")
+    lib = Path(kernels.info()["path"]).parent
+    tensors = "blk.0.ffn_gate.weight,blk.1.ffn_down.weight,output.weight,blk.1.attn_v.weight"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_bench.py"), str(tiny_q4_k), "--lib",
+                        f"patched={lib}", "--tensors", tensors, "--rows", "1,2,3,4,5,6,7,8,16,33", "--rounds", "1",
+                        "--reps", "1", "--mb", "1", "--check", "--no-lock", "--json", "/dev/stdout", "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["rounds"]["patched"][0]["tensors"]
+    assert {t["type"] for t in got} == {"q4_K", "q6_K"} and any(t["repacked"] for t in got)
+    for t in got:
+        diff = {n: v["mismatches"] for n, v in t["ms"].items()}
+        assert all(diff[n] == 0 for n in diff if n != "33"), (t["name"], diff)
+        if t["type"] == "q6_K":
+            assert diff["33"] > 0, (t["name"], diff)  # the tiled kernel: the check does see a difference
+
+
 def test_stock_is_reported_with_its_reason():
     r = subprocess.run([sys.executable, "-m", "edgespec.frontends.cli", "kernels", "--json"], capture_output=True,
                        text=True, timeout=120, env={**os.environ, "EDGESPEC_KERNELS": "stock"})
@@ -126,7 +161,7 @@ def test_cmake_args_follow_llama_cpp_pythons_build():
 def test_the_patches_say_why():
     """Each patch carries its reason and the commit it is made against, as ollama's do."""
     ps = kernel_build.patches()
-    assert [p.name[:4] for p in ps] == ["0001", "0002"]
+    assert [p.name[:4] for p in ps] == ["0001", "0002", "0003", "0004", "0005"]
     for p in ps:
         head = p.read_text().split("\n---\n", 1)[0]
         assert "Subject: [PATCH]" in head and "0c1e57098" in head and len(head.splitlines()) > 8
