@@ -168,7 +168,9 @@ def test_the_first_measurement_reports_its_progress_and_the_probe(smol):
     assert cm.ks == KS and (cm.max_exact_rows, cm.batch_logit_diff) == reading
     if kernels.batch_invariant():
         assert reading == (PROBE_ROWS[-1], 0.0)
-    assert cm.attn0 + 8 * cm.attn > 0 and cm.share is not None
+    # the attention term is measured on a quiet machine only (a busy one leaves it at 0, and its
+    # share then stays below QUIET_SHARE): whether this one was quiet is not the test's to choose
+    assert cm.share is not None and (cm.attn0 + 8 * cm.attn > 0 or cm.share < QUIET_SHARE)
     bars = [r for r in seen if getattr(r, "total", None) is not None]
     assert len(bars) >= 3 and all(r.progress and r.task == "cost" for r in bars)
     done = [r.done for r in bars]
