@@ -5,7 +5,6 @@ accepted every time. Everything runs on one thread in well under a minute."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from dataclasses import replace
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rpc_tools import require
 from synthetic_mtp import agree_next, write_mimo2_mtp
 
 from edgespec import llama_ext, methods
@@ -26,8 +26,6 @@ from edgespec.sampling import SamplingConfig
 from edgespec.schedulers.sequential import Generation
 
 GREEDY = SamplingConfig(temp=0.0)
-SPEC_BIN = (Path(os.environ.get("LLAMA_TOOLS_DIR", "/root/.cache/edgespec-ref/llama.cpp-0.3.36"))
-            / "build/bin/llama-speculative-simple")
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -290,15 +288,15 @@ def test_spec_auto_with_mtp_samples_the_target_distribution(rand, seeded):
     assert gof(samples, expected) > (1e-3 if seeded else ALPHA)
 
 
-@pytest.mark.skipif(not SPEC_BIN.exists(), reason="llama-speculative-simple (reference build) not found")
 @pytest.mark.parametrize("which", ["random", "agree"])
 def test_same_text_as_llama_speculative_simple(models, which):
     """llama.cpp's own draft-mtp on the same file: the same greedy text. On the agreeing model it
     rejects only its first draft (it drafts from the prompt's last pair, which is not the
     target's own continuation), every later draft is accepted, as here."""
     path, n = models[which], 24
+    spec_bin = require("llama-speculative-simple")  # tests/rpc_tools.py builds it; under CI a missing one fails
     for _ in range(3):  # its log thread may drop the last lines at exit: the stats are among them
-        r = subprocess.run([str(SPEC_BIN), "-m", str(path), "--spec-type", "draft-mtp", "-p", "hello world", "-n",
+        r = subprocess.run([str(spec_bin), "-m", str(path), "--spec-type", "draft-mtp", "-p", "hello world", "-n",
                             str(n), "-c", "512", "--spec-draft-n-max", "1", "--temp", "0", "-t", "1"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
@@ -306,7 +304,8 @@ def test_same_text_as_llama_speculative_simple(models, which):
         if len(ref) == 2:
             break
     else:
-        pytest.skip("llama-speculative-simple dropped its stats lines three times (its log thread at exit)")
+        pytest.fail(f"llama-speculative-simple dropped its stats lines three times (its log thread at exit): "
+                    f"{r.stderr[-1000:]}")
     eng = _engine(path)
     try:
         prompt = eng.target.tokenize("hello world")
