@@ -111,6 +111,9 @@ def logits_of(probs):
     return at
 
 
+CHAIN_DEPTH = 3  # a chain's positions checked: enumerating deeper ones costs more than they add
+
+
 class Step:
     """One captured verification on the tokens it can involve (the rows' supports and the draft's
     tokens, renumbered 0..): the draft, the target's distribution after each node (-1: the root),
@@ -137,7 +140,7 @@ class Step:
         tree (no draft distributions) as drafted: the law of the walk, whatever the tree. A
         chain sampled from q is exact only over q's draws: for each position i, the drafted
         tokens before it and token i each of q_i's (weighted by q_i), the law after the tokens
-        before it."""
+        before it (the first CHAIN_DEPTH positions)."""
         d, tok, rows, hints = self.draft, self.draft.tokens, self.rows, self.hints()
         if d.probs is None:
             paths = {(): rows[-1]}
@@ -145,7 +148,7 @@ class Step:
                 paths.setdefault(tuple(tok[a] for a in d.path_to(n)), rows[n])
             yield law(lambda rng: self._emitted(d, rng), hints), paths
             return
-        for i in range(len(tok)):
+        for i in range(min(len(tok), CHAIN_DEPTH)):
             mixed: dict = {}
             for x in np.flatnonzero(d.probs[i]):
                 chain = Draft.chain(tok[:i] + [int(x)], d.probs[: i + 1])
