@@ -1,27 +1,30 @@
-"""llama.cpp's `rpc-server`, built once from the llama.cpp source vendored in the pinned
-llama-cpp-python sdist (the same code as the installed libllama), for the RPC tests; and a
-loopback TCP proxy that adds latency, standing in for a network (this machine's kernel has no
-`netem` qdisc, so `tc netem` in a namespace of the test's own is not available here).
+"""llama.cpp's own programs that tests run beside edgespec, built once from the llama.cpp source
+vendored in the pinned llama-cpp-python sdist (the same code as the installed libllama): `rpc-server`
+for the RPC tests, `llama-speculative-simple` for the EAGLE-3 and MTP comparisons; and a loopback
+TCP proxy that adds latency, standing in for a network (this machine's kernel has no `netem`
+qdisc, so `tc netem` in a namespace of the test's own is not available here).
 
-    python tests/rpc_tools.py            # build (or find) rpc-server; prints its path (.ci/run does this)
+    python tests/rpc_tools.py            # build (or find) every tool; prints their paths (.ci/run does this)
     python tests/rpc_tools.py --measure  # plain vs lookahead over two local servers, added latency
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 VERSION = "0.3.36"
+# each tool by its file name here and its CMake target in llama.cpp's tree: built together, only these
+TOOLS = {"rpc-server": "ggml-rpc-server", "llama-speculative-simple": "llama-speculative-simple"}
 
 
 NO_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
@@ -30,7 +33,7 @@ NO_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F
 
 def _flags() -> list[str]:
     """The CPU flags of the installed wheel's build (CMAKE_ARGS, as .ci/run sets it), so the
-    server's kernels run on this CPU; without CMAKE_ARGS, .ci/run's rule: no AMX where cpuid
+    tools' kernels run on this CPU; without CMAKE_ARGS, .ci/run's rule: no AMX where cpuid
     reports it (some virtual machines trap its instructions)."""
     args = os.environ.get("CMAKE_ARGS", "")
     if not args:
@@ -45,45 +48,92 @@ def _flags() -> list[str]:
 
 def build_dir() -> Path:
     key = hashlib.sha1(" ".join(_flags()).encode()).hexdigest()[:12]
-    return Path.home() / ".cache" / "edgespec-build" / f"rpc-server-{VERSION}-{key}"
+    return Path.home() / ".cache" / "edgespec-build" / f"llama-tools-{VERSION}-{key}"
+
+
+def _kernel_build():
+    """edgespec/kernel_build.py, loaded by path as setup.py loads it: .ci/run builds the tools
+    before edgespec is installed, and the module needs only the standard library."""
+    spec = importlib.util.spec_from_file_location(
+        "_edgespec_kernel_build", Path(__file__).resolve().parent.parent / "edgespec" / "kernel_build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build_tools() -> bool:
+    """Build every tool of TOOLS into the build cache in one CMake tree (static, so each binary
+    stands alone), compiling those targets and what they link only. A few minutes, once per
+    set of CPU flags. False (the build's tail on stderr) when cmake is missing or it fails."""
+    if shutil.which("cmake") is None:
+        sys.stderr.write("cmake is not installed: cannot build llama.cpp's tools\n")
+        return False
+    kb = _kernel_build()
+    try:
+        sdist = kb.fetch_sdist(lambda msg: sys.stderr.write(msg + "\n"))
+    except kb.BuildError as e:
+        sys.stderr.write(f"{e}\n")
+        return False
+    with tempfile.TemporaryDirectory(prefix="edgespec-llama-tools-") as tmp:
+        src = kb.extract(sdist, Path(tmp) / "llama.cpp")
+        b = Path(tmp) / "build"
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        cfg = ["cmake", "-S", str(src), "-B", str(b), *gen, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON",
+               "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF", *_flags()]
+        r = subprocess.run(cfg, capture_output=True, text=True)
+        if r.returncode == 0:
+            r = subprocess.run(["cmake", "--build", str(b), "-j", str(os.cpu_count() or 2), "--target",
+                                *TOOLS.values()], capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
+            return False
+        out = build_dir() / "bin"
+        out.mkdir(parents=True, exist_ok=True)
+        for name, target in TOOLS.items():
+            built = b / "bin" / target
+            if not built.is_file():
+                sys.stderr.write(f"the build left no {built.name}\n")
+                return False
+            part = out / f".{name}.part"
+            shutil.copy2(built, part)
+            os.replace(part, out / name)  # whole or not at all: a test never runs half a binary
+    return True
+
+
+def tool_bin(name: str, build: bool = True) -> Path | None:
+    """llama.cpp's `name` (a key of TOOLS): from $LLAMA_TOOLS_DIR/build/bin where that is set
+    (the reference build of /work/shared/tools/build-llama-cpp-tools.sh), else the build cache,
+    built there when missing and `build`. None when it is not there and cannot be built."""
+    env = os.environ.get("LLAMA_TOOLS_DIR")
+    if env and (Path(env) / "build" / "bin" / name).is_file():
+        return Path(env) / "build" / "bin" / name
+    out = build_dir() / "bin" / name
+    if not out.is_file() and build:
+        build_tools()
+    return out if out.is_file() else None
 
 
 def rpc_server_bin(build: bool = True) -> Path | None:
-    """The rpc-server binary: $EDGESPEC_RPC_SERVER, else built into the build cache (a few
-    minutes, once). None when it is not there and `build` is False or the build fails."""
+    """The rpc-server binary: $EDGESPEC_RPC_SERVER, else `tool_bin`."""
     env = os.environ.get("EDGESPEC_RPC_SERVER")
     if env:
         return Path(env)
-    out = build_dir() / "bin" / "rpc-server"
-    if out.exists() or not build:
-        return out if out.exists() else None
-    if shutil.which("cmake") is None:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path.home() / ".cache" / "edgespec-ref" / f"llama.cpp-{VERSION}" / "src"
-        if not (src / "CMakeLists.txt").exists():
-            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                            f"llama-cpp-python=={VERSION}", "-d", tmp], check=True)
-            with tarfile.open(Path(tmp) / f"llama_cpp_python-{VERSION}.tar.gz") as t:
-                t.extractall(tmp, filter="data")
-            src = Path(tmp) / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
-        b = Path(tmp) / "build"
-        cfg = ["cmake", "-S", str(src), "-B", str(b), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_RPC=ON",
-               "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-               "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF", *_flags()]
-        r = subprocess.run(cfg, capture_output=True, text=True)
-        if r.returncode == 0:
-            r = subprocess.run(["cmake", "--build", str(b), "-j", str(os.cpu_count() or 2), "--target", "ggml-rpc-server"],
-                               capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
-            return None
-        built = next((p for p in b.rglob("*rpc-server") if p.is_file() and os.access(p, os.X_OK)), None)
-        if built is None:
-            return None
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(built, out)
-    return out
+    return tool_bin("rpc-server", build)
+
+
+def require(name: str) -> Path:
+    """For a test: the tool, built when missing; where it cannot be built the test fails under
+    CI (where .ci/run builds it: a skip there would hide a comparison that never ran) and is
+    skipped elsewhere."""
+    import pytest
+
+    exe = tool_bin(name)
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} could not be built (see stderr); .ci/run builds it with `python tests/rpc_tools.py`")
+        pytest.skip(f"{name} could not be built here (cmake missing?)")
+    return exe
 
 
 def free_port() -> int:
@@ -229,6 +279,7 @@ if __name__ == "__main__":
         for row in measure():
             print(row)
         sys.exit(0)
-    p = rpc_server_bin()
-    print(p if p else "rpc-server: build failed")
-    sys.exit(0 if p else 1)
+    paths = {name: tool_bin(name) for name in TOOLS}
+    for name, p in paths.items():
+        print(p if p else f"{name}: build failed")
+    sys.exit(0 if all(paths.values()) else 1)

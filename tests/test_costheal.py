@@ -139,7 +139,8 @@ def test_a_busy_curve_is_due_when_the_machine_is_quiet():
 def test_the_first_measurement_reports_its_progress_and_the_probe(smol):
     """One pass measures the curve and the probe: progress goes out as logging records (seconds
     done of an estimated total, what is measured), the last one complete; the curve covers every
-    size, and the probe finds SmolLM2 Q4_0 bit-exact up to 32 rows at both context lengths."""
+    size, and the probe reads as the engine's own (with the batch-invariant kernels: SmolLM2 Q4_0
+    bit-exact at every probed row, at both context lengths)."""
     import logging
 
     from edgespec.costmeasure import PROBE_ROWS, measure
@@ -160,8 +161,17 @@ def test_the_first_measurement_reports_its_progress_and_the_probe(smol):
         ctx.close()
         lg.removeHandler(handler)
         lg.setLevel(level)
-    assert cm.ks == KS and (cm.max_exact_rows, cm.batch_logit_diff) == (32, 0.0) and PROBE_ROWS[-1] == 32
-    assert cm.attn0 + 8 * cm.attn > 0 and cm.share is not None
+    # the probe reads as the engine's own did when it loaded (same kernels, same K/V types); with
+    # edgespec's batch-invariant kernels installed that is every probed row, exact
+    from edgespec import kernels
+
+    reading = (smol.cost.max_exact_rows, smol.cost.batch_logit_diff)
+    assert cm.ks == KS and (cm.max_exact_rows, cm.batch_logit_diff) == reading
+    if kernels.batch_invariant():
+        assert reading == (PROBE_ROWS[-1], 0.0)
+    # the attention term is measured on a quiet machine only (a busy one leaves it at 0, and its
+    # share then stays below QUIET_SHARE): whether this one was quiet is not the test's to choose
+    assert cm.share is not None and (cm.attn0 + 8 * cm.attn > 0 or cm.share < QUIET_SHARE)
     bars = [r for r in seen if getattr(r, "total", None) is not None]
     assert len(bars) >= 3 and all(r.progress and r.task == "cost" for r in bars)
     done = [r.done for r in bars]

@@ -16,7 +16,6 @@ Two targets:
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 import pytest
 
 from conftest import Spy
+from rpc_tools import require
 from synthetic_heads import write_eagle3
 from torchfmt import save_safetensors
 
@@ -46,7 +46,6 @@ from edgespec.schedulers.sequential import Generation
 GREEDY = SamplingConfig(temp=0.0)
 SMOL = "smollm2-135m-instruct:q4_0"
 SMOL_D, SMOL_V, SMOL_L = 576, 49152, 30
-SPEC_BIN = Path(os.environ.get("LLAMA_TOOLS_DIR", "/root/.cache/edgespec-ref/llama.cpp-0.3.36")) / "build/bin/llama-speculative-simple"
 
 # the tiny bigram target
 D, V, N_LAYER, FF = 64, 256, 6, 64
@@ -511,13 +510,19 @@ def test_refuses_a_draft_for_another_target(smol_engine, bigram, smol_e3):
 # -- llama.cpp's own driver on the same file -----------------------------------------------------
 
 
-def _llamacpp(target: Path, draft: Path, prompt: str, n: int, n_max: int = 3,
+@pytest.fixture(scope="module")
+def spec_bin() -> Path:
+    """llama.cpp's llama-speculative-simple (tests/rpc_tools.py builds it; under CI a missing one fails)."""
+    return require("llama-speculative-simple")
+
+
+def _llamacpp(spec_bin: Path, target: Path, draft: Path, prompt: str, n: int, n_max: int = 3,
               kv: str = DEFAULT_KV) -> tuple[str, dict]:
     """llama-speculative-simple's output and stats, with the engine's K/V cache types: with
     others smollm2 flips a near-tie ("United"/"united") within 32 tokens."""
     ctk, ctv = kv_types(kv)
     for _ in range(3):  # its log thread may drop the last lines at exit: the stats are among them
-        r = subprocess.run([str(SPEC_BIN), "-m", str(target), "-md", str(draft), "--spec-type", "draft-eagle3",
+        r = subprocess.run([str(spec_bin), "-m", str(target), "-md", str(draft), "--spec-type", "draft-eagle3",
                             "-p", prompt, "-n", str(n), "-c", "512", "--spec-draft-n-max", str(n_max), "--temp", "0",
                             "-t", "1", "-ctk", ctk, "-ctv", ctv], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
@@ -527,13 +532,12 @@ def _llamacpp(target: Path, draft: Path, prompt: str, n: int, n_max: int = 3,
     pytest.fail(f"no n_drafted/n_accept in llama-speculative-simple's log: {r.stderr[-1000:]}")
 
 
-@pytest.mark.skipif(not SPEC_BIN.exists(), reason="llama-speculative-simple (reference build) not found")
-def test_same_text_as_llama_speculative_simple(smol_engine, smol_e3, bigram):
+def test_same_text_as_llama_speculative_simple(spec_bin, smol_engine, smol_e3, bigram):
     """llama.cpp's draft-eagle3 runs our converted files and writes the same greedy text; on
     the exact bigram draft it accepts nearly everything too."""
     for eng, draft, text in ((smol_engine, smol_e3[0], "The capital of France is"),
                              (bigram.eng, bigram.files["exact"], "hello world")):
-        out, stats = _llamacpp(eng.target.path, draft, text, 32, kv=eng.cfg.kv_type)
+        out, stats = _llamacpp(spec_bin, eng.target.path, draft, text, 32, kv=eng.cfg.kv_type)
         prompt = eng.prompt_tokens(text, raw=True)
         d = e3.build(eng, draft, tree=False)
         d.n_max = 3  # as --spec-draft-n-max 3

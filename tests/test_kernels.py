@@ -131,8 +131,10 @@ def test_a_build_that_does_not_fit_is_not_loaded(tmp_path, monkeypatch):
     lib_dir = kernels._llama_lib_dir()
     assert lib_dir is not None
     (tmp_path / kernel_build.LIB).write_bytes((lib_dir / kernel_build.LIB).read_bytes())  # a real ELF: $ORIGIN only
+    # the ggml version of the installed llama-cpp-python (its libggml-base.so.X.Y.Z)
+    ggml = next(lib_dir.glob("libggml-base.so.*.*.*")).name[len("libggml-base.so."):]
     good = {"format": kernel_build.MANIFEST_FORMAT, "llama_cpp_python": kernel_build.LLAMA_CPP_PYTHON,
-            "ggml": "0.25.3", "patches": kernel_build.patch_digest()}
+            "ggml": ggml, "patches": kernel_build.patch_digest()}
 
     def why(**change) -> str:
         (tmp_path / kernel_build.MANIFEST).write_text(json.dumps({**good, **change}))

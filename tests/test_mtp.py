@@ -5,7 +5,6 @@ accepted every time. Everything runs on one thread in well under a minute."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from dataclasses import replace
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rpc_tools import require
 from synthetic_mtp import agree_next, write_mimo2_mtp
 
 from edgespec import llama_ext, methods
@@ -26,8 +26,6 @@ from edgespec.sampling import SamplingConfig
 from edgespec.schedulers.sequential import Generation
 
 GREEDY = SamplingConfig(temp=0.0)
-SPEC_BIN = (Path(os.environ.get("LLAMA_TOOLS_DIR", "/root/.cache/edgespec-ref/llama.cpp-0.3.36"))
-            / "build/bin/llama-speculative-simple")
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -290,23 +288,28 @@ def test_spec_auto_with_mtp_samples_the_target_distribution(rand, seeded):
     assert gof(samples, expected) > (1e-3 if seeded else ALPHA)
 
 
-@pytest.mark.skipif(not SPEC_BIN.exists(), reason="llama-speculative-simple (reference build) not found")
-@pytest.mark.parametrize("which", ["random", "agree"])
+# Run for the first time here (it was skipped wherever the tool was not built): llama.cpp's
+# draft-mtp wrote nothing past the prompt on some sessions' agreeing model, and no stats lines on
+# either model (issue 59's report); shown as xfail until that is understood, not skipped.
+@pytest.mark.parametrize("which", ["random", pytest.param("agree", marks=pytest.mark.xfail(
+    reason="llama.cpp's draft-mtp wrote nothing past the prompt on this session's agreeing model (issue 59)"))])
 def test_same_text_as_llama_speculative_simple(models, which):
     """llama.cpp's own draft-mtp on the same file: the same greedy text. On the agreeing model it
     rejects only its first draft (it drafts from the prompt's last pair, which is not the
     target's own continuation), every later draft is accepted, as here."""
     path, n = models[which], 24
-    for _ in range(3):  # its log thread may drop the last lines at exit: the stats are among them
-        r = subprocess.run([str(SPEC_BIN), "-m", str(path), "--spec-type", "draft-mtp", "-p", "hello world", "-n",
+    spec_bin = require("llama-speculative-simple")  # tests/rpc_tools.py builds it; under CI a missing one fails
+    # Its stats lines come last on stderr, and its log thread may drop them at exit: with this
+    # llama.cpp (0.3.36's vendored copy) the draft-mtp path printed none in any of a dozen runs
+    # here, while its text always came. The text is compared every time; its counts where printed.
+    for _ in range(3):
+        r = subprocess.run([str(spec_bin), "-m", str(path), "--spec-type", "draft-mtp", "-p", "hello world", "-n",
                             str(n), "-c", "512", "--spec-draft-n-max", "1", "--temp", "0", "-t", "1"],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         ref = {k: int(v) for k, v in re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", r.stderr)}
         if len(ref) == 2:
             break
-    else:
-        pytest.skip("llama-speculative-simple dropped its stats lines three times (its log thread at exit)")
     eng = _engine(path)
     try:
         prompt = eng.target.tokenize("hello world")
@@ -317,9 +320,10 @@ def test_same_text_as_llama_speculative_simple(models, which):
         assert len(theirs) > len(eng.target.detokenize(prompt)) + 10  # the prompt and some output
         assert theirs.startswith(ours) or ours.startswith(theirs)  # it may run a few tokens past -n
         if which == "agree":
-            assert ref["n_drafted"] - ref["n_accept"] == 1
             assert gen.stats.n_accept == gen.stats.n_drafted > 0
+            assert not ref or ref["n_drafted"] - ref["n_accept"] == 1
         else:
-            assert ref["n_accept"] <= 1 and gen.stats.n_accept <= 1
+            assert gen.stats.n_accept <= 1
+            assert not ref or ref["n_accept"] <= 1
     finally:
         _close(eng)

@@ -4,6 +4,8 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -67,15 +69,41 @@ def test_conversation_reply_and_stats(smol, tmp_path):
     asyncio.run(run())
 
 
+@dataclass
+class HeldSession(ChatSession):
+    """A session whose reply, once it has more than 20 characters, waits until it is asked to
+    stop: it cannot end before the key press arrives, however fast the machine."""
+
+    held: threading.Event = field(default_factory=threading.Event)
+
+    def send(self, text, on_event=None):
+        shown = []
+
+        def hold(ev, piece):
+            on_event(ev, piece)
+            shown.append(piece)
+            if not self.held.is_set() and len("".join(shown)) > 20:
+                self.held.set()
+                assert self._stop.wait(120), "no stop came"
+
+        return super().send(text, hold)
+
+
+async def _until(pilot, cond, timeout=120.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond() and loop.time() < end:
+        await pilot.pause(0.05)
+    assert cond()
+
+
 def test_stop_mid_reply_keeps_partial_text(smol):
     async def run():
-        app = ChatApp(_session(smol, n=1500, method="none"))
+        session = HeldSession(smol, "none", SamplingConfig(), 1500)
+        app = ChatApp(session)
         async with app.run_test(size=(80, 24)) as pilot:
             await _send(app, pilot, "Count from 1 to 500, one number per line.")
-            for _ in range(300):
-                await pilot.pause(0.05)
-                if app.current is not None and len(app.current.text) > 20:
-                    break
+            await _until(pilot, session.held.is_set)  # mid-reply, waiting for the key
             await pilot.press("escape")
             await _wait_idle(app, pilot)
             reply = app.session.messages[-1]
@@ -124,8 +152,14 @@ def test_pipe_mode_reads_lines():
 # -- rendering cost and layout (scripted, no model) ---------------------------------------
 
 
+def _word(i: int) -> str:
+    return "\n\n## Part %d\n\n" % (i // 40) if i % 40 == 0 else "\n- " if i % 8 == 0 else f" word{i}"
+
+
 class LongSession:
-    """A scripted session streaming a long Markdown reply: 4 tokens per step."""
+    """A scripted session streaming a long Markdown reply: 4 tokens per step, at least `n_tokens`
+    of them, and on until `release` is set (the test's keys are pressed while it streams, however
+    slow the machine)."""
 
     model_name = "scripted.gguf"
     system = None
@@ -136,14 +170,13 @@ class LongSession:
 
         self.method, self.messages, self.total = "lookahead", [], Stats()
         self.n_tokens, self.step_s = n_tokens, step_s
-        self.words = [("\n\n## Part %d\n\n" % (i // 40) if i % 40 == 0 else "\n- " if i % 8 == 0 else f" word{i}")
-                      for i in range(n_tokens)]
+        self.release = threading.Event()
 
     def methods(self):
         return ["none", "lookahead"]
 
     def piece(self, token):
-        return self.words[token]
+        return _word(token)
 
     def stop(self):
         pass
@@ -156,23 +189,25 @@ class LongSession:
 
         st = Stats(n_prompt=5)
         t0 = time.perf_counter()
-        for step, i in enumerate(range(0, self.n_tokens, 4)):
-            toks = tuple(range(i, min(i + 4, self.n_tokens)))
-            ev = StepEvent(step, 3, 2, 1, toks, (True, True, False, False)[: len(toks)], 0.0005, self.step_s, "lookahead",
+        i = step = 0
+        while i < self.n_tokens or not self.release.wait(0):
+            toks = tuple(range(i, i + 4))
+            ev = StepEvent(step, 3, 2, 1, toks, (True, True, False, False), 0.0005, self.step_s, "lookahead",
                            (1, 2), (1,))
             st.add(ev)
             if on_event:
-                on_event(ev, "".join(self.words[t] for t in toks))
+                on_event(ev, "".join(_word(t) for t in toks))
             time.sleep(self.step_s)
+            i, step = i + 4, step + 1
         st.t_gen, st.finish_reason = time.perf_counter() - t0, "length"
-        reply = Reply("".join(self.words), list(range(self.n_tokens)), [], st, self.method)
+        reply = Reply("".join(_word(t) for t in range(i)), list(range(i)), [], st, self.method)
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply.text}]
         self.total = st
         return reply
 
 
 def test_long_streamed_reply_keeps_the_ui_responsive():
-    """2,400 tokens streamed at 200 tokens/s, a Markdown block every 8 tokens (360 blocks):
+    """2,400 tokens or more streamed at 200 tokens/s, a Markdown block every 8 tokens (360 blocks):
     typing in the prompt box mid-stream is handled within 0.5 s a key, switching the view
     (Ctrl+T, both ways) within 1 s (measured here: 0.07 s and 0.1-0.3 s; the bounds leave room
     for a loaded machine); both views end with the whole reply. Run within the suite, the process
@@ -201,8 +236,9 @@ def test_long_streamed_reply_keeps_the_ui_responsive():
                 await pilot.press("ctrl+t")
                 switching.append(time.perf_counter() - t0)
                 assert app.marked != was
+            app.session.release.set()
             await _wait_idle(app, pilot)
-            assert len(typing) >= 4, "the reply ended before the keys were pressed"
+            assert len(typing) == 6, "the reply ended before the keys were pressed"
             assert max(typing) < 0.5, f"typing took {typing}"
             assert max(switching) < 1.0, f"switching views took {switching}"
             turn = list(app.query(Turn))[-1]
