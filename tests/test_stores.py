@@ -415,12 +415,11 @@ def test_draft_paired_by_vocabulary_is_lossless(home):
 
 
 @pytest.mark.slow
+@pytest.mark.large
 def test_qwen_from_the_hf_cache_drafts_with_its_05b(home):
-    """The issue's case: both Qwen2.5-Coder models only in the Hugging Face cache layout."""
-    if not os.environ.get("EDGESPEC_TEST_LARGE"):
-        pytest.skip("the 1.5B model stays out of the default suite (EDGESPEC_TEST_LARGE=1 runs it, about 40 s)")
-    if not home["qwen"]:
-        pytest.skip("the Qwen2.5-Coder models are not in the cache")
+    """The issue's case: both Qwen2.5-Coder models only in the Hugging Face cache layout (the 1.5B
+    stays out of the default suite: `large`, run with EDGESPEC_TEST_LARGE=1, about 40 s)."""
+    assert home["qwen"], "the Qwen2.5-Coder 1.5B and 0.5B are not in the cache: `edgespec pull` them first"
     target = f"{Q15}:Q4_K_M"
     # drafting forced (2 tokens a step at least): on 2 shared cores the sizing step may find that
     # the 0.5B does not pay and draft nothing, which would leave the pairing untested
