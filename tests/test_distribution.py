@@ -45,25 +45,26 @@ L = 3  # tokens per completion: the first comes from the prefill, the others fro
 # its own probability p, the rejected case sampled from p again instead of the residual) moves a
 # 0.65/0.32/0.03 position to 0.88/0.11/0.01 (w^2 = 0.23) under a drafter of the likeliest token.
 # On the tiny models (first token 0.69/0.25/0.06, second 0.61/0.36/0.03), 8 pooled outcomes at
-# ALPHA, 150 completions catch the planted bug with probability 0.97 (draft model, PEARL) and
-# 0.99-1.0 (lookahead, n-gram, auto); 100 would catch it 0.75-0.91 of the time, 75 only 0.49-0.70
-# (the bug's output distribution measured from 1,500 completions per method, then
-# scipy.stats.ncx2). The end-token prompt (7 pooled outcomes) catches it 0.46 (draft) and 0.63
-# (PEARL) of the time by itself, and the p-min twin (q = p, where the bug moves least) is there
-# for a cut on the drawn token's own probability, which it catches with probability 0.996.
+# ALPHA, 150 completions catch the planted bug with probability 0.997 (draft model), 0.997
+# (PEARL), 0.978 (lookahead), 0.999 (n-gram), 0.967 (auto); 100 would catch it 0.75-0.91 of the
+# time, 75 only 0.49-0.70. The end-token prompt (7 pooled outcomes) caught it 0.46 (draft) and
+# 0.63 (PEARL) of the time by itself (as a first turn), and the p-min twin (q = p, where this bug
+# moves least: 0.05) is there for a cut on the drawn token's own probability, which it catches
+# with probability 0.996.
 # SmolLM2's heads draft trees that often hold the target's other likely tokens as well, where the
 # bug moves little: with trees of up to 8 rows, any number of leaves, and 150 completions it was
 # caught with probability about 0.6-0.8 (medusa), 0.94-0.99 (eagle), 0.56-0.6 (eagle3), 0.01
-# (mtp). So the heads draft trees of at most HEAD_LEAVES leaves, and sample N_HEADS completions:
-# each head's test catches the planted bug with probability 1.00 for medusa (0.75 at 150
-# completions), eagle (0.99 at 150), mtp (0.91 at 150), measured (the bug monkeypatched into
-# edgespec.verify, 400 buggy completions per head, chi-square noncentrality over the test's pooled
-# cells less its sampling bias, scipy.stats.ncx2); eagle3 not measured yet. The exact check below
-# does not depend on power: with the bug planted it fails for every method.
+# (mtp). So the heads draft trees of at most HEAD_LEAVES leaves, and each samples N_OF[method]
+# completions, the fewest that catch the bug with probability >= 0.98: medusa 0.990 at 225
+# (0.84 at 150), eagle3 0.986 at 225 (0.81 at 150), mtp 0.992 at 200 (0.93 at 150), eagle 0.991
+# at 150. Every figure here measured by tests/power_check.py (the bug planted in edgespec.verify,
+# 400 buggy completions per method, the chi-square noncentrality over the test's pooled cells less
+# its sampling bias, scipy.stats.ncx2; `python -m pytest tests/power_check.py -s`). The exact
+# check below does not depend on power: with the bug planted it fails for every method.
 # A completion costs 2-20 ms on the tiny models (the prompt's KV cache kept), 45-70 ms with
 # SmolLM2's heads.
 N = 150  # completions per method and seeding
-N_HEADS = 300  # for the heads' methods (trees of at most HEAD_LEAVES leaves)
+N_OF = {"medusa": 225, "eagle3": 225, "mtp": 200, "eagle": 150}  # the heads' (trees of at most HEAD_LEAVES leaves)
 HEAD_LEAVES = 2
 ALPHA = 1e-4
 CFG = dict(temp=1.0, top_k=3, top_p=1.0, min_p=0.0)
@@ -288,7 +289,7 @@ def test_sampled_output_is_the_target_distribution(request, monkeypatch, expecte
     expected = expected_of(request.getfixturevalue("tiny") if where == "twin" else eng)
     assert 0.999 < sum(expected.values()) < 1.001
     assert len(expected) >= 6 and max(expected.values()) < 0.8, "the test needs a distribution to compare"
-    n = N_HEADS if where == "gpu_like" else N
+    n = N_OF.get(method, N)
     seen = Verdicts(monkeypatch)
     samples = completions(make(eng), seeded, n)
     if method == "none":
@@ -379,8 +380,13 @@ def test_gof_detects_a_biased_sampler():
 
 # An answer that often ends within L tokens ("Yes" then end of generation): drafts reach the end
 # token (a sampled draft model's and PEARL's stop after drafting it, lookahead's before it),
-# which must leave the sampled output the target's.
+# which must leave the sampled output the target's. The question was asked and answered ("Yes!")
+# once before in the conversation, so the trie holds an answer up to its end: after "Yes" it
+# drafts "!" (the target ends there 0.55 of the time, goes on with "!" 0.4). A first turn gives
+# lookahead nothing to draft (0 drafts in 220 steps, measured).
 EOG_PROMPT = "Reply with the single word: yes"
+EOG_MESSAGES = [{"role": "user", "content": EOG_PROMPT}, {"role": "assistant", "content": "Yes!"},
+                {"role": "user", "content": EOG_PROMPT}]
 EOG_METHODS = {
     "draft": lambda eng, toks: forced(eng, lambda cfg: eng.make_drafter("draft", cfg.seed), toks),
     "lookahead": lambda eng, toks: forced(eng, lambda cfg: eng.make_drafter("lookahead"), toks),
@@ -392,13 +398,12 @@ EOG_METHODS = {
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
 @pytest.mark.parametrize("method", list(EOG_METHODS))
 def test_sampled_output_with_drafts_ending_at_the_end_token(tiny, monkeypatch, method, seeded):
-    toks = tiny.prompt_tokens(EOG_PROMPT)
+    toks = tiny.prompt_tokens(messages=EOG_MESSAGES)
     expected = exact_distribution(tiny, toks, SamplingConfig(**CFG))
     assert sum(p for k, p in expected.items() if len(k) < L) > 0.1, "the test needs answers that end early"
     seen = Verdicts(monkeypatch)
     samples = completions(EOG_METHODS[method](tiny, toks), seeded)
-    if method != "lookahead":  # the trie finds nothing to draft after this prompt (0 drafts in 220
-        seen.assert_drafted(method)  # steps, measured): its case samples plainly; open in issue 59
+    seen.assert_drafted(method)
     assert any(len(s) < L for s in samples)
     p = gof(samples, expected)
-    assert p > ALPHA, f"{method} ({'seeded' if seeded else 'unseeded'}): chi-square p = {p:.3g} over {N} completions"
+    assert p > ALPHA, f"{method} ({'seeded' if seeded else 'unseeded'}): chi-square p = {p:.3g} over {len(samples)} completions"
