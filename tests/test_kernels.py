@@ -163,7 +163,7 @@ def test_cmake_args_follow_llama_cpp_pythons_build():
 def test_the_patches_say_why():
     """Each patch carries its reason and the commit it is made against, as ollama's do."""
     ps = kernel_build.patches()
-    assert [p.name[:4] for p in ps] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008"]
+    assert [p.name[:4] for p in ps] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009"]
     for p in ps:
         head = p.read_text().split("\n---\n", 1)[0]
         assert "Subject: [PATCH]" in head and "0c1e57098" in head and len(head.splitlines()) > 8
