@@ -218,6 +218,54 @@ def _control(without: str) -> Path:
     return dest
 
 
+# What an AVX2 laptop's install builds (no AVX-512): llama.cpp's own "haswell" CPU variant, less BMI2.
+AVX2_ONLY = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
+
+
+def _avx2_build(monkeypatch) -> Path:
+    """All the patches built for AVX2 alone, kept in the build cache like the controls."""
+    args = kernel_build.cmake_args({"CMAKE_ARGS": AVX2_ONLY})
+    key = hashlib.sha256((kernel_build.patch_digest() + "|" + " ".join(args)).encode())
+    dest = kernel_build.cache_dir() / "controls" / ("avx2-" + key.hexdigest()[:16])
+    if not (dest / kernel_build.LIB).is_file():
+        with monkeypatch.context() as m:
+            m.setenv("CMAKE_ARGS", AVX2_ONLY)
+            kernel_build.build(dest)
+    return dest
+
+
+def test_an_avx2_only_build_is_bit_identical_too(tiny_q4_k, monkeypatch):
+    """Laptops often lack AVX-512, and the patched kernels take other code there (Q6_K: vpmaddwd +
+    vpaddd instead of vpdpwssd; the repacked Q4_K GEMM's AVX2 paths at 16 rows). A build with AVX2 and
+    no AVX-512 (cached after the first) gives, product by product through ggml (scripts/kernel_bench.py
+    --check), every output value of 1-8 and 16 rows the bits of the one-row product of its row, on the
+    tiny model's repacked Q4_K and Q6_K tensors. Skipped only on a CPU without AVX2 or with no C
+    compiler and CMake; under CI (CI set) a missing compiler fails instead."""
+    if "avx2" not in (kernel_build.cpu_flags() or set()) or kernel_build.unsupported():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    missing = [t for t in (os.environ.get("CC", "cc"), "cmake") if shutil.which(t) is None]
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"{', '.join(missing)} missing: CI must build the AVX2 kernels")
+        pytest.skip(f"{', '.join(missing)} missing: cannot build the AVX2 kernels")
+    folder = _avx2_build(monkeypatch)
+    isa = json.loads((folder / kernel_build.MANIFEST).read_text())["isa"]
+    assert "avx2" in isa and not [f for f in isa if f.startswith("avx512")], isa
+    tensors = "blk.0.ffn_gate.weight,blk.1.ffn_down.weight,output.weight,blk.1.attn_v.weight"
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "scripts" / "kernel_bench.py"), str(tiny_q4_k), "--lib",
+                        f"avx2={folder}", "--tensors", tensors, "--rows", "1,2,3,4,5,6,7,8,16", "--rounds", "1",
+                        "--reps", "1", "--mb", "1", "--check", "--no-lock", "--json", "/dev/stdout", "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["rounds"]["avx2"][0]["tensors"]
+    assert {t["type"] for t in got} == {"q4_K", "q6_K"} and any(t["repacked"] for t in got)
+    for t in got:
+        diff = {n: v["mismatches"] for n, v in t["ms"].items()}
+        assert set(diff) == {"1", "2", "3", "4", "5", "6", "7", "8", "16"}
+        assert all(d == 0 for d in diff.values()), (t["name"], diff)
+
+
 def _rows_with(model: Path, folder: Path) -> dict:
     r = subprocess.run([sys.executable, "-c", _ROWS_CHILD, str(model)], capture_output=True, text=True, timeout=300,
                        env={**os.environ, kernels.ENV: str(folder)})
@@ -235,7 +283,7 @@ def test_each_patch_is_needed(patch, rows, tiny_q4_k, monkeypatch):
     """A control build with only this patch left out is loaded (it is the library the patch set's
     digest does not name, so the digest check is bypassed for it alone) and gives other bits than
     one-row decodes at the row counts the patch claims; the full build is exact there (test_kernels).
-    0003-0005 change which kernel runs, not what it adds: without them batches stay exact, and their
+    0003-0010 change which kernel runs, not what it adds: without them batches stay exact, and their
     own test is the matrix products checked value by value (test_kernels, kernel_bench --check)."""
     if not kernels.batch_invariant():
         pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")

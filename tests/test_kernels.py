@@ -19,10 +19,12 @@ from synthetic_kquant import tiny_q4_k_fixture
 
 # Every row count from 1 to 32 against one-row decodes of the same tokens after a 40-token prefix,
 # on the tiny Q4_K_M model's random weights (tests/synthetic_kquant.py): Q4_K repacked (the GEMV for
-# 1 row, the 2-3 row GEMV of patch 0004 for 2-3 rows and for the 2-3 rows a GEMM leaves, the 4-row and
-# 16-row GEMMs above) and Q6_K (output, blk.1.attn_v, blk.1.ffn_down) through the several-row dot
-# product of patch 0003 for every chunk of 2 rows or more (a breakpoint counts it: 768 calls for a
-# 3-row decode after a 4-token one), the per-row kernel for a 1-row chunk, the tiled one above its floor.
+# 1 row, the several-row GEMV of patches 0004/0005/0007/0010 for 2-8 rows (these rows are 256-512 wide:
+# patch 0009's GEMM for 4-8 wide rows is not taken here; kernel_bench --check on the 1.5B covers it),
+# the 4-row and 16-row GEMMs above) and Q6_K (output, blk.1.attn_v, blk.1.ffn_down) through the
+# several-row dot product of patches 0003/0006/0008 for every chunk of 2 rows or more (a breakpoint
+# counts it: 768 calls for a 3-row decode after a 4-token one), the per-row kernel for a 1-row chunk,
+# the tiled one above its floor.
 _ROWS_CHILD = r"""
 import json, sys
 import numpy as np
@@ -92,10 +94,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_matmul_rows_are_bit_identical_to_one_row(tiny_q4_k):
     """The matrix products alone, through ggml (scripts/kernel_bench.py --check): every output value
     of a product with N rows has the bits of the one-row product of its row, for each weight type
-    the tiny model holds (Q4_K repacked, Q6_K), at every row count the several-row kernels split
-    differently (1-8: the 2-3 row GEMV, 4-row GEMM plus 1-3 leftover rows, 4-row Q6_K groups and
-    their 1-3 row tails) and two above (16: the 16-row GEMM; 33: past the tiled kernel's floor,
-    which edgespec sets to 33, so that one is expected to differ and shows the check can fail)."""
+    the tiny model holds (Q4_K repacked, Q6_K), at every row count the several-row kernels take
+    (1-8: each a call of its own size, for the Q4_K GEMV and the Q6_K dot product) and two above (16:
+    the 16-row GEMM; 33: past the tiled kernel's floor, which edgespec sets to 33, so that one is
+    expected to differ and shows the check can fail)."""
     if not kernels.batch_invariant():
         pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")
     if shutil.which(os.environ.get("CC", "cc")) is None:
@@ -163,7 +165,7 @@ def test_cmake_args_follow_llama_cpp_pythons_build():
 def test_the_patches_say_why():
     """Each patch carries its reason and the commit it is made against, as ollama's do."""
     ps = kernel_build.patches()
-    assert [p.name[:4] for p in ps] == ["0001", "0002", "0003", "0004", "0005"]
+    assert [p.name[:4] for p in ps] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010"]
     for p in ps:
         head = p.read_text().split("\n---\n", 1)[0]
         assert "Subject: [PATCH]" in head and "0c1e57098" in head and len(head.splitlines()) > 8
