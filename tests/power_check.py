@@ -22,25 +22,12 @@ import pytest
 from scipy.stats import chi2, ncx2
 
 import test_distribution as td
+from verifier_law import kept_by_own_probability
 from test_distribution import expected_of, gpu_like, tiny, twin  # noqa: F401  (fixtures)
 from edgespec import verify
 from edgespec.schedulers import pearl as pearl_scheduler
 
 M = int(os.environ.get("POWER_M", "400"))
-
-
-def kept_by_own_probability(draft, target_probs, rng, bonus=True):
-    """The textbook bug: each drafted token kept with its own target probability, else a draw from p."""
-    kids, accepted, node = draft.children(), [], -1
-    while True:
-        p = target_probs(node)
-        nxt = next((c for c in kids.get(node, ()) if rng.random() < p[draft.tokens[c]]), None)
-        if nxt is None:
-            if not bonus and accepted and len(accepted) == len(draft.tokens):
-                return accepted, None
-            return accepted, verify.sample(p, rng)
-        accepted.append(nxt)
-        node = nxt
 
 
 def power(samples: list[tuple], expected: dict[tuple, float], n: int) -> tuple[float, float, int]:

@@ -11,6 +11,9 @@ counts divisible by 8.
 from __future__ import annotations
 
 import ctypes
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -92,3 +95,23 @@ def tiny_q4_k_fixture(tmp_path_factory):
     p = write_q4_k_m(tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf")
     assert {"Q4_K", "Q6_K"} <= set(tensor_types(p).values())
     return p
+
+
+# The tiny model's tensors of both weight types: Q4_K (repacked) and Q6_K.
+CHECK_TENSORS = "blk.0.ffn_gate.weight,blk.1.ffn_down.weight,output.weight,blk.1.attn_v.weight"
+
+
+def matmul_mismatches(model: str | Path, name: str, folder: str | Path, rows: str) -> list[dict]:
+    """scripts/kernel_bench.py --check with the ggml-cpu build in `folder` on the tiny model's
+    CHECK_TENSORS at `rows` (comma-separated): per tensor, its type and {rows: values differing
+    from one-row products}. Both weight types must be there, Q4_K repacked."""
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "scripts" / "kernel_bench.py"), str(model), "--lib",
+                        f"{name}={folder}", "--tensors", CHECK_TENSORS, "--rows", rows, "--rounds", "1",
+                        "--reps", "1", "--mb", "1", "--check", "--no-lock", "--json", "/dev/stdout", "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["rounds"][name][0]["tensors"]
+    assert {t["type"] for t in got} == {"q4_K", "q6_K"} and any(t["repacked"] for t in got)
+    return [{"name": t["name"], "type": t["type"], "diff": {n: v["mismatches"] for n, v in t["ms"].items()}}
+            for t in got]

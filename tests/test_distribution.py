@@ -31,7 +31,7 @@ import pytest
 from scipy.stats import chisquare
 
 import verifier_law
-from verifier_law import PLAIN, Step, logits_of
+from verifier_law import PLAIN, Step, kept_by_own_probability, logits_of
 from edgespec.costmodel import flat
 from edgespec.draft import Draft
 from edgespec.drafters.draft_model import DraftModelDrafter
@@ -352,16 +352,6 @@ def test_the_exact_check_finds_the_textbook_bug(monkeypatch, chain):
         return max(verifier_law.conditional_error(law, rows) for law, rows in st.laws())
 
     assert worst() < 1e-12
-
-    def kept_by_own_probability(draft, target_probs, rng, bonus=True):
-        kids, accepted, node = draft.children(), [], -1
-        while True:
-            p = target_probs(node)
-            nxt = next((c for c in kids.get(node, ()) if rng.random() < p[draft.tokens[c]]), None)
-            if nxt is None:
-                return accepted, verify.sample(p, rng)
-            accepted.append(nxt)
-            node = nxt
 
     monkeypatch.setattr(verify, "verify_sampled_tree", kept_by_own_probability)
     monkeypatch.setattr(verify, "verify_rejection_chain", kept_by_own_probability)

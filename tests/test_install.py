@@ -21,7 +21,7 @@ import pytest
 
 from edgespec import kernel_build, kernels, pypi_fetch
 
-from synthetic_kquant import tiny_q4_k_fixture
+from synthetic_kquant import matmul_mismatches, tiny_q4_k_fixture
 from test_kernels import _ROWS_CHILD
 
 PROJECT = "demo-pkg"
@@ -251,17 +251,8 @@ def test_an_avx2_only_build_is_bit_identical_too(tiny_q4_k, monkeypatch):
     folder = _avx2_build(monkeypatch)
     isa = json.loads((folder / kernel_build.MANIFEST).read_text())["isa"]
     assert "avx2" in isa and not [f for f in isa if f.startswith("avx512")], isa
-    tensors = "blk.0.ffn_gate.weight,blk.1.ffn_down.weight,output.weight,blk.1.attn_v.weight"
-    root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, str(root / "scripts" / "kernel_bench.py"), str(tiny_q4_k), "--lib",
-                        f"avx2={folder}", "--tensors", tensors, "--rows", "1,2,3,4,5,6,7,8,16", "--rounds", "1",
-                        "--reps", "1", "--mb", "1", "--check", "--no-lock", "--json", "/dev/stdout", "--quiet"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout)["rounds"]["avx2"][0]["tensors"]
-    assert {t["type"] for t in got} == {"q4_K", "q6_K"} and any(t["repacked"] for t in got)
-    for t in got:
-        diff = {n: v["mismatches"] for n, v in t["ms"].items()}
+    for t in matmul_mismatches(tiny_q4_k, "avx2", folder, "1,2,3,4,5,6,7,8,16"):
+        diff = t["diff"]
         assert set(diff) == {"1", "2", "3", "4", "5", "6", "7", "8", "16"}
         assert all(d == 0 for d in diff.values()), (t["name"], diff)
 

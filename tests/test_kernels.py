@@ -15,7 +15,7 @@ import pytest
 
 from edgespec import kernel_build, kernels
 
-from synthetic_kquant import tiny_q4_k_fixture
+from synthetic_kquant import matmul_mismatches, tiny_q4_k_fixture
 
 # Every row count from 1 to 32 against one-row decodes of the same tokens after a 40-token prefix,
 # on the tiny Q4_K_M model's random weights (tests/synthetic_kquant.py): Q4_K repacked (the GEMV for
@@ -88,7 +88,6 @@ def test_every_row_count_is_bit_identical_to_one_row(tiny_q4_k):
     assert any(stock["diff"][n] > 0.0 for n in range(4, 33)), stock["diff"]
 
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_matmul_rows_are_bit_identical_to_one_row(tiny_q4_k):
@@ -103,16 +102,8 @@ def test_matmul_rows_are_bit_identical_to_one_row(tiny_q4_k):
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler to build the matmul harness")
     lib = Path(kernels.info()["path"]).parent
-    tensors = "blk.0.ffn_gate.weight,blk.1.ffn_down.weight,output.weight,blk.1.attn_v.weight"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_bench.py"), str(tiny_q4_k), "--lib",
-                        f"patched={lib}", "--tensors", tensors, "--rows", "1,2,3,4,5,6,7,8,16,33", "--rounds", "1",
-                        "--reps", "1", "--mb", "1", "--check", "--no-lock", "--json", "/dev/stdout", "--quiet"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout)["rounds"]["patched"][0]["tensors"]
-    assert {t["type"] for t in got} == {"q4_K", "q6_K"} and any(t["repacked"] for t in got)
-    for t in got:
-        diff = {n: v["mismatches"] for n, v in t["ms"].items()}
+    for t in matmul_mismatches(tiny_q4_k, "patched", lib, "1,2,3,4,5,6,7,8,16,33"):
+        diff = t["diff"]
         assert all(diff[n] == 0 for n in diff if n != "33"), (t["name"], diff)
         if t["type"] == "q6_K":
             assert diff["33"] > 0, (t["name"], diff)  # the tiled kernel: the check does see a difference

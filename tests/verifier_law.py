@@ -175,3 +175,20 @@ class Step:
         """Whether the textbook bug would change this step's law: a drafted token whose parent's
         row gives it a probability strictly between 0 and 1."""
         return any(0.0 < self.rows[p][t] < 1.0 for t, p in zip(self.draft.tokens, self.draft.parents))
+
+
+def kept_by_own_probability(draft: Draft, target_probs, rng, bonus: bool = True):
+    """The textbook bug, to plant in place of edgespec.verify's verifiers: each drafted token kept
+    with its own target probability (not min(1, p/q)), else a draw from p (not the residual)."""
+    from edgespec import verify
+
+    kids, accepted, node = draft.children(), [], -1
+    while True:
+        p = target_probs(node)
+        nxt = next((c for c in kids.get(node, ()) if rng.random() < p[draft.tokens[c]]), None)
+        if nxt is None:
+            if not bonus and accepted and len(accepted) == len(draft.tokens):
+                return accepted, None
+            return accepted, verify.sample(p, rng)
+        accepted.append(nxt)
+        node = nxt
