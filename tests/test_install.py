@@ -208,33 +208,31 @@ def test_every_arithmetic_setting_keys_the_cost_cache():
 tiny_q4_k = pytest.fixture(scope="module", name="tiny_q4_k")(tiny_q4_k_fixture)
 
 
-def _control(without: str) -> Path:
-    """A build of every patch but `without`, kept in the build cache (one minute on 2 cores, once)."""
-    chosen = [p for p in kernel_build.patches() if p.name != without]
-    key = hashlib.sha256((kernel_build.patch_digest(chosen) + "|" + " ".join(kernel_build.cmake_args())).encode())
-    dest = kernel_build.cache_dir() / "controls" / key.hexdigest()[:16]
+def _cached_build(chosen: list[Path], cmake_env: str | None = None, prefix: str = "") -> Path:
+    """A build of the patches `chosen` (with `cmake_env` as CMAKE_ARGS where given), kept in the build
+    cache under its patch set and CMake arguments (one minute on 2 cores, once)."""
+    env = {**os.environ, "CMAKE_ARGS": cmake_env} if cmake_env is not None else None
+    args = kernel_build.cmake_args(env)
+    key = hashlib.sha256((kernel_build.patch_digest(chosen) + "|" + " ".join(args)).encode())
+    dest = kernel_build.cache_dir() / "controls" / (prefix + key.hexdigest()[:16])
     if not (dest / kernel_build.LIB).is_file():
-        kernel_build.build(dest, patch_files=chosen)
+        with pytest.MonkeyPatch.context() as m:
+            if cmake_env is not None:
+                m.setenv("CMAKE_ARGS", cmake_env)
+            kernel_build.build(dest, patch_files=chosen)
     return dest
+
+
+def _control(without: str) -> Path:
+    """A build of every patch but `without`."""
+    return _cached_build([p for p in kernel_build.patches() if p.name != without])
 
 
 # What an AVX2 laptop's install builds (no AVX-512): llama.cpp's own "haswell" CPU variant, less BMI2.
 AVX2_ONLY = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
 
 
-def _avx2_build(monkeypatch) -> Path:
-    """All the patches built for AVX2 alone, kept in the build cache like the controls."""
-    args = kernel_build.cmake_args({"CMAKE_ARGS": AVX2_ONLY})
-    key = hashlib.sha256((kernel_build.patch_digest() + "|" + " ".join(args)).encode())
-    dest = kernel_build.cache_dir() / "controls" / ("avx2-" + key.hexdigest()[:16])
-    if not (dest / kernel_build.LIB).is_file():
-        with monkeypatch.context() as m:
-            m.setenv("CMAKE_ARGS", AVX2_ONLY)
-            kernel_build.build(dest)
-    return dest
-
-
-def test_an_avx2_only_build_is_bit_identical_too(tiny_q4_k, monkeypatch):
+def test_an_avx2_only_build_is_bit_identical_too(tiny_q4_k):
     """Laptops often lack AVX-512, and the patched kernels take other code there (Q6_K: vpmaddwd +
     vpaddd instead of vpdpwssd; the repacked Q4_K GEMM's AVX2 paths at 16 rows). A build with AVX2 and
     no AVX-512 (cached after the first) gives, product by product through ggml (scripts/kernel_bench.py
@@ -248,7 +246,7 @@ def test_an_avx2_only_build_is_bit_identical_too(tiny_q4_k, monkeypatch):
         if os.environ.get("CI"):
             pytest.fail(f"{', '.join(missing)} missing: CI must build the AVX2 kernels")
         pytest.skip(f"{', '.join(missing)} missing: cannot build the AVX2 kernels")
-    folder = _avx2_build(monkeypatch)
+    folder = _cached_build(kernel_build.patches(), AVX2_ONLY, prefix="avx2-")
     isa = json.loads((folder / kernel_build.MANIFEST).read_text())["isa"]
     assert "avx2" in isa and not [f for f in isa if f.startswith("avx512")], isa
     for t in matmul_mismatches(tiny_q4_k, "avx2", folder, "1,2,3,4,5,6,7,8,16"):
