@@ -78,6 +78,26 @@ def _lookahead(engine, opt):
                             history=_history(engine, opt), history_calib=cals[HISTORY])
 
 
+def lookahead_pool(engine, share: str | None, pools: dict) -> tuple[Any, Any]:
+    """The lookahead trie a request of `share` drafts from, and the pool it alone uses (to close
+    when it ends) or None: requests without a share have their own; those of one share (a
+    server's API key, a batch's requests) one kept in `pools`, holding the lookahead cache file
+    for the default share "" and reading and growing the user's reply history where one is set
+    (a server's key's: edgespec.history)."""
+    from .drafters.lookahead import HISTORY, SharedLookahead, Sources
+
+    if share is None:
+        pool = SharedLookahead(None, engine.target.is_eog)
+        return pool, pool
+    pool = pools.get(share)
+    if pool is None:
+        history = _history(engine, Options())
+        cal = engine.side.keep("lookahead", lambda: Sources(engine.cost)).value[HISTORY] if history else None
+        path = engine.cfg.lookahead_cache if share == "" else None
+        pool = pools[share] = SharedLookahead(path, engine.target.is_eog, history, cal)
+    return pool, None
+
+
 def _history(engine, opt):
     """The user's past replies (edgespec.history) where a history file is set: one held at a
     time, so that two users' (two API keys') replies never meet."""

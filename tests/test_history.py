@@ -165,6 +165,45 @@ def test_greedy_conversations_with_the_history_are_plain_decodings_output(smol_h
     assert History.open(path).trie.walk(spec[0].tokens[:6]) is not None
 
 
+@pytest.mark.parametrize("n_parallel", [1, 2])
+def test_a_servers_key_drafts_from_its_past_replies_at_any_np(smol_history, n_parallel):
+    """A server with an API key (requests of share "", the engine's history the key's file):
+    one sequence at a time or several per decode, each finished reply joins the key's history,
+    and a later run (a fresh lookahead trie, as after a restart) drafts a repeated answer from
+    it; a keyless request (share None) neither reads nor grows it. Every output is plain
+    decoding's."""
+    from edgespec.serving.loop import run_requests
+    from edgespec.serving.requests import Request
+
+    eng, path = smol_history
+    question = f"List {3 + n_parallel} colours of the rainbow, one per line, nothing else."
+
+    def serve(method, share):
+        reqs = [Request(0, "a", messages=[{"role": "user", "content": question}], max_tokens=40,
+                        sampling=GREEDY, share=share)]
+        return run_requests(eng, reqs, method, n_parallel, lambda r, rec: None, quiet=True)
+
+    saved = eng.cost
+    eng.cost = flat(0.05, saved.max_exact_rows)  # drafting pays: the history is drafted from
+    try:
+        plain = serve("none", "")
+        keyless = serve("lookahead", None)
+        grown = History.open(path).trie.n_nodes if path.exists() else 0
+        eng.side.release("history")  # written: a keyless reply added nothing
+        assert (History.open(path).trie.n_nodes if path.exists() else 0) == grown
+        first = serve("lookahead", "")
+        again = serve("lookahead", "")
+    finally:
+        eng.cost = saved
+    out = plain.outputs["a"]
+    assert keyless.outputs["a"] == first.outputs["a"] == again.outputs["a"] == out
+    assert HISTORY not in keyless.stats.by_source
+    kept = again.stats.by_source.get(HISTORY, [0, 0, 0])
+    assert kept[2] >= len(out) // 2, again.stats.by_source
+    eng.side.release("history")
+    assert History.open(path).trie.walk(out[:6]) is not None
+
+
 def test_sampled_output_with_the_history_is_the_target_distribution(tiny_pair):
     """The history source under sampling: drafts from past replies verified by the rejection
     rule keep the target's distribution (test_distribution's harness: N completions, seeded and

@@ -160,7 +160,7 @@ class LookaheadDrafter:
                 cals[self._s].update(draft, accepted)
 
     def end(self) -> None:
-        if self.history is not None and not self.shared:  # this reply, for the user's later ones
+        if self.history is not None:  # this reply, for the user's later ones
             self.history.add(self._context[self._n_prompt:])
             self.history.save(soon=True)
         # a trie of this generation's own without a cache file dies with the drafter: nothing
@@ -174,15 +174,21 @@ class SharedLookahead:
     feeds and reads the same trie, so similar requests draft from each other. Prompt branches
     stay until `close`, which releases them and saves the trie to `cache_path` when given."""
 
-    def __init__(self, cache_path: str | Path | None = None, is_stop: Callable[[int], bool] | None = None):
+    def __init__(self, cache_path: str | Path | None = None, is_stop: Callable[[int], bool] | None = None,
+                 history: History | None = None, history_calib: dict[int, Calibration] | None = None):
+        """`history`: the past replies of the requests' one user (a server's API key), a second
+        source for every drafter, each finished reply added to it (`history_calib` its
+        calibrations, else new ones)."""
         self.cache_path = cache_path
         self.trie = load_trie(Path(cache_path) if cache_path else None)
         self.calib = new_calibration()
         self.is_stop = is_stop
+        self.history = history
+        self.history_calib = history_calib if history_calib is not None else new_calibration()
 
     def drafter(self, max_branches: int) -> LookaheadDrafter:
         return LookaheadDrafter(max_branches=max_branches, trie=self.trie, shared=True, calib=self.calib,
-                                is_stop=self.is_stop)
+                                is_stop=self.is_stop, history=self.history, history_calib=self.history_calib)
 
     def close(self) -> None:
         release_and_save(self.trie, self.cache_path)

@@ -133,17 +133,9 @@ class MultiDecoder:
 
     def _drafter(self, seed: int | None, share: str | None):
         """A drafter, and the trie it alone uses (None when it drafts from a shared one)."""
-        from ..drafters.lookahead import SharedLookahead
-
         pool = own = None
         if self.trees:
-            if share is None:
-                pool = own = SharedLookahead(None, self.engine.target.is_eog)
-            else:
-                pool = self.pools.get(share)
-                if pool is None:  # the lookahead cache file is the default share's
-                    path = self.engine.cfg.lookahead_cache if share == "" else None
-                    pool = self.pools[share] = SharedLookahead(path, self.engine.target.is_eog)
+            pool, own = methods.lookahead_pool(self.engine, share, self.pools)
         opt = methods.Options(seed=seed, shared=pool, max_branches=1, single_sequence=False)
         return methods.build_drafter(self.engine, self.method, opt), own
 
@@ -305,7 +297,8 @@ class MultiDecoder:
     def _emit(self, g: SeqGeneration, committed: list[int], draft: Draft, accepted: list[int],
               t_draft: float, t_verify: float, step: int) -> StepEvent:
         """`draft`: the drafter's own tokens (no padding); `accepted`: those of its nodes kept."""
-        ev, g.done = g._commit(step, draft, accepted, committed, t_draft, t_verify, g.drafter.name)
+        ev, g.done = g._commit(step, draft, accepted, committed, t_draft, t_verify,
+                                draft.source or g.drafter.name)
         return ev
 
     def _step(self, active: list[SeqGeneration]) -> list[tuple[SeqGeneration, StepEvent]]:

@@ -316,13 +316,7 @@ def _serve_one_by_one(engine, reqs, method, fail, gone, tokens_of, finished, on_
                     table.place([0], req.share if use else None, prompt)
                 drafter = None
                 if m.trees:
-                    if req.share is None:
-                        shared = own = SharedLookahead(None, engine.target.is_eog)
-                    else:
-                        shared = pools.get(req.share)
-                        if shared is None:
-                            path = engine.cfg.lookahead_cache if req.share == "" else None
-                            shared = pools[req.share] = SharedLookahead(path, engine.target.is_eog)
+                    shared, own = methods.lookahead_pool(engine, req.share, pools)
                     opt = methods.Options(seed=req.sampling.seed, shared=shared, max_branches=engine.cfg.max_branches)
                     drafter = methods.build_drafter(engine, method, opt)
                 gen = engine.start(prompt, req.max_tokens, req.sampling, method, drafter=drafter, reuse=use)
