@@ -272,7 +272,7 @@ def test_each_patch_is_needed(patch, rows, tiny_q4_k, monkeypatch):
     """A control build with only this patch left out is loaded (it is the library the patch set's
     digest does not name, so the digest check is bypassed for it alone) and gives other bits than
     one-row decodes at the row counts the patch claims; the full build is exact there (test_kernels).
-    0003-0010 change which kernel runs, not what it adds: without them batches stay exact, and their
+    0003-0011 change which kernel runs, not what it adds: without them batches stay exact, and their
     own test is the matrix products checked value by value (test_kernels, kernel_bench --check)."""
     if not kernels.batch_invariant():
         pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")

@@ -109,6 +109,30 @@ def test_matmul_rows_are_bit_identical_to_one_row(tiny_q4_k):
             assert diff["33"] > 0, (t["name"], diff)  # the tiled kernel: the check does see a difference
 
 
+def test_q4_1_rows_are_bit_identical_to_one_row():
+    """The default SmolLM2 file is Q4_1 in its body (Q8_0 output): through patch 0011's several-row
+    dot product every row count from 1 to 32 decodes to the bits of one-row decodes, and the
+    product alone (kernel_bench --check on a Q4_1 tensor) has them at 1-8 rows, one call each, and 16."""
+    if not kernels.batch_invariant():
+        pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")
+    from edgespec.models import resolve
+
+    model = resolve("smollm2-135m-instruct", quiet=True)
+    patched = _rows(model, stock=False)
+    assert patched["kernels"] == "batch-invariant"
+    assert all(d == 0.0 for d in patched["diff"].values()), patched["diff"]
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        return
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "scripts" / "kernel_bench.py"), str(model), "--lib",
+                        f"patched={Path(kernels.info()['path']).parent}", "--tensors", "blk.3.ffn_up.weight",
+                        "--rows", "1,2,3,4,5,6,7,8,16", "--rounds", "1", "--reps", "1", "--mb", "1", "--check",
+                        "--no-lock", "--json", "/dev/stdout", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (t,) = json.loads(r.stdout)["rounds"]["patched"][0]["tensors"]
+    assert t["type"] == "q4_1" and all(v["mismatches"] == 0 for v in t["ms"].values()), t
+
+
 def test_stock_is_reported_with_its_reason():
     r = subprocess.run([sys.executable, "-m", "edgespec.frontends.cli", "kernels", "--json"], capture_output=True,
                        text=True, timeout=120, env={**os.environ, "EDGESPEC_KERNELS": "stock"})
@@ -156,7 +180,8 @@ def test_cmake_args_follow_llama_cpp_pythons_build():
 def test_the_patches_say_why():
     """Each patch carries its reason and the commit it is made against, as ollama's do."""
     ps = kernel_build.patches()
-    assert [p.name[:4] for p in ps] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010"]
+    assert [p.name[:4] for p in ps] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
+                                        "0011"]
     for p in ps:
         head = p.read_text().split("\n---\n", 1)[0]
         assert "Subject: [PATCH]" in head and "0c1e57098" in head and len(head.splitlines()) > 8
