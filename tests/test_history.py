@@ -202,6 +202,24 @@ def test_a_servers_key_drafts_from_its_past_replies_at_any_np(smol_history, n_pa
     assert kept[2] >= len(out) // 2, again.stats.by_source
     eng.side.release("history")
     assert History.open(path).trie.walk(out[:6]) is not None
+    # sampled and seeded: drafts from the history carry no distribution of their own, the
+    # verifier draws every token from the target once, so the text is plain sampling's
+    from edgespec.sampling import SamplingConfig
+
+    hot = SamplingConfig(temp=0.7, seed=5)
+
+    def sample(method):
+        reqs = [Request(0, "s", messages=[{"role": "user", "content": question}], max_tokens=40, sampling=hot,
+                        share="")]
+        return run_requests(eng, reqs, method, n_parallel, lambda r, rec: None, quiet=True)
+
+    eng.cost = flat(0.05, saved.max_exact_rows)
+    try:
+        spec, base = sample("lookahead"), sample("none")
+    finally:
+        eng.cost = saved
+    assert spec.outputs["s"] == base.outputs["s"]
+    assert spec.stats.by_source.get(HISTORY, [0, 0, 0])[1] > 0, spec.stats.by_source
 
 
 def test_sampled_output_with_the_history_is_the_target_distribution(tiny_pair):
