@@ -101,17 +101,22 @@ def tiny_q4_k_fixture(tmp_path_factory):
 CHECK_TENSORS = "blk.0.ffn_gate.weight,blk.1.ffn_down.weight,output.weight,blk.1.attn_v.weight"
 
 
-def matmul_mismatches(model: str | Path, name: str, folder: str | Path, rows: str) -> list[dict]:
-    """scripts/kernel_bench.py --check with the ggml-cpu build in `folder` on the tiny model's
-    CHECK_TENSORS at `rows` (comma-separated): per tensor, its type and {rows: values differing
-    from one-row products}. Both weight types must be there, Q4_K repacked."""
+def matmul_mismatches(model: str | Path, name: str, folder: str | Path, rows: str, tensors: str = CHECK_TENSORS,
+                      types: set[str] | None = None) -> list[dict]:
+    """scripts/kernel_bench.py --check with the ggml-cpu build in `folder` on `tensors` of `model`
+    (the tiny model's CHECK_TENSORS by default) at `rows` (comma-separated): per tensor, its type and
+    {rows: values differing from one-row products}. The tensors' types must be `types` (default:
+    Q4_K, repacked, and Q6_K)."""
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run([sys.executable, str(root / "scripts" / "kernel_bench.py"), str(model), "--lib",
-                        f"{name}={folder}", "--tensors", CHECK_TENSORS, "--rows", rows, "--rounds", "1",
+                        f"{name}={folder}", "--tensors", tensors, "--rows", rows, "--rounds", "1",
                         "--reps", "1", "--mb", "1", "--check", "--no-lock", "--json", "/dev/stdout", "--quiet"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)["rounds"][name][0]["tensors"]
-    assert {t["type"] for t in got} == {"q4_K", "q6_K"} and any(t["repacked"] for t in got)
+    if types is None:
+        assert {t["type"] for t in got} == {"q4_K", "q6_K"} and any(t["repacked"] for t in got)
+    else:
+        assert {t["type"] for t in got} == types
     return [{"name": t["name"], "type": t["type"], "diff": {n: v["mismatches"] for n, v in t["ms"].items()}}
             for t in got]

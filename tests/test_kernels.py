@@ -123,14 +123,9 @@ def test_q4_1_rows_are_bit_identical_to_one_row():
     assert all(d == 0.0 for d in patched["diff"].values()), patched["diff"]
     if shutil.which(os.environ.get("CC", "cc")) is None:
         return
-    root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, str(root / "scripts" / "kernel_bench.py"), str(model), "--lib",
-                        f"patched={Path(kernels.info()['path']).parent}", "--tensors", "blk.3.ffn_up.weight",
-                        "--rows", "1,2,3,4,5,6,7,8,16", "--rounds", "1", "--reps", "1", "--mb", "1", "--check",
-                        "--no-lock", "--json", "/dev/stdout", "--quiet"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    (t,) = json.loads(r.stdout)["rounds"]["patched"][0]["tensors"]
-    assert t["type"] == "q4_1" and all(v["mismatches"] == 0 for v in t["ms"].values()), t
+    lib = Path(kernels.info()["path"]).parent
+    (t,) = matmul_mismatches(model, "patched", lib, "1,2,3,4,5,6,7,8,16", "blk.3.ffn_up.weight", {"q4_1"})
+    assert all(n == 0 for n in t["diff"].values()), t
 
 
 def test_stock_is_reported_with_its_reason():
