@@ -24,6 +24,11 @@ QUIET_SHARE = 0.8  # a measurement that had less of its threads' CPU time than t
 EXPLORE_EVERY = 16
 EXPLORE_NODES = 1
 _TABLE = 66  # row counts with a precomputed prediction (a verification is at most 32 + pending)
+# The floor a reply keeps against plain decoding, as the share of its tokens it may lose on drafts
+# that were not kept (see CostModel.best_size's `slack`): a draft whose every token could be
+# rejected risks the rows it adds; while the reply is ahead, or behind by less than this share,
+# any draft that pays on average goes; past it, a draft must expect to gain more than it risks.
+LOSS_SHARE = 0.02
 
 
 @dataclass
@@ -185,7 +190,7 @@ class CostModel:
         return ""
 
     def best_size(self, probs: list[float], fixed_rows: int = 1, per_node: float = 0.0, margin: float = 0.02,
-                  n_past: int = 0, fixed: float = 0.0) -> int:
+                  n_past: int = 0, fixed: float = 0.0, slack: float = math.inf) -> int:
         """How many of the candidate nodes (in the given order) to verify.
 
         `probs[i]` is the chance that node i's path is accepted; `per_node` the drafting time per
@@ -197,10 +202,23 @@ class CostModel:
         changes only how much is drafted (every draft is verified), and costs at most
         MIN_EVIDENCE extra rows in all; never where drafting has a `fixed` cost (a draft model's
         catch-up is not a probe's price: the cheap drafters' exploration brings the evidence).
+
+        `slack`: how many plain steps the generation may still lose (its scheduler's ledger, see
+        `loss_slack`). A size whose worst case (every node rejected: the step yields one token for
+        its rows and drafting) loses more than that goes only if its expected gain over a plain
+        step also covers the excess, weighed by the chance of that worst case (at most 1 - P_1):
+        sum(P) - loss >= (1 - P_1) * (loss - slack). A reply already behind must expect to make
+        that up too; a draft that risks nothing always goes. Bets that pay on average by a hair (a
+        one-token match kept 15-20% of the time where a second row costs 1.12 steps) then wait
+        until the reply is ahead or long enough to carry them: on a short reply a few such losses
+        put it below plain (a 13-token chat answer lost 8% on four of them). Likely copies go as
+        before, a little shorter at a reply's start, and a flat curve (a GPU) risks nothing.
         """
-        plain = 1.0 / self.t(fixed_rows, n_past)
+        t_plain = self.t(fixed_rows, n_past)
+        plain = 1.0 / t_plain
         best_n, best_rate = 0, plain * (1.0 + margin)
         gain = 1.0
+        miss = 1.0 - probs[0] if probs else 1.0  # the chance that nothing is kept, at most
         # t(k, n_past) inlined: the table's predict(k, 0) plus the attention term, times the
         # corrections for many rows and for k (the same arithmetic, so the same sizes)
         base, e, a0, a1, r = self._base, max(0, n_past - self.n0), self.attn0, self.attn, self.many
@@ -209,13 +227,23 @@ class CostModel:
             gain += p
             k = fixed_rows + n
             t = (base[k] + (a0 + a1 * k) * e) * r * shape[k] if 1 < k < _TABLE else self.t(k, n_past)
-            rate = gain / (t + per_node * n + fixed)
+            spent = t + per_node * n + fixed
+            rate = gain / spent
             if rate > best_rate:
-                best_n, best_rate = n, rate
+                loss = spent / t_plain - 1.0  # plain steps lost if nothing is kept
+                if loss <= max(slack, 0.0) or gain - 1.0 - loss >= miss * (loss - slack):
+                    best_n, best_rate = n, rate
         if (not best_n and probs and not fixed and self.online and self.n_obs[1] < MIN_EVIDENCE
-                and self._plain_run >= EXPLORE_EVERY):
+                and self._plain_run >= EXPLORE_EVERY
+                and self.t(fixed_rows + 1, n_past) / t_plain - 1.0 <= max(slack, 0.0)):
             return min(EXPLORE_NODES, len(probs))
         return best_n
+
+    def step_loss(self, rows: int, fixed_rows: int = 1, n_past: int = 0, seconds: float = 0.0) -> float:
+        """Plain steps a step of `rows` rows (and `seconds` of drafting) costs beyond one plain step."""
+        t_plain = self.t(fixed_rows, n_past)
+        return (self.t(rows, n_past) + seconds) / t_plain - 1.0
+
 
     def to_dict(self) -> dict:
         return {"k": list(self.ks), "ms": [round(t * 1e3, 3) for t in self.ts],
@@ -231,6 +259,13 @@ class CostModel:
                  attn0=d.get("attn0_us_per_token", 0.0) / 1e6)
         cm.share = d.get("cpu_share")
         return cm
+
+
+def loss_slack(ledger: float, tokens: int) -> float:
+    """What a generation may still lose, in plain steps, on drafts not kept: `ledger` is what it
+    gained so far against plain decoding (tokens committed less the steps they cost, negative when
+    behind), `tokens` how many it committed; it may fall behind by LOSS_SHARE of them."""
+    return ledger + LOSS_SHARE * tokens
 
 
 def flat(seconds: float = 0.01, max_exact_rows: int = 1 << 30, batch_logit_diff: float | None = None) -> CostModel:

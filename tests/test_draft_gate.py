@@ -79,3 +79,35 @@ def test_what_the_draft_model_learned_outlives_the_process(tmp_path):
     assert json.loads(f.read_text())["k"]["curve"] == 1
     fresh = DraftState.from_dict({"est": "x"}, 0.02, 0.005)
     assert fresh.mean_conf == DraftState().mean_conf and fresh.t_token == 0.02 and fresh.t_read == 0.005
+
+
+def test_drafts_never_kept_cost_a_reply_at_most_its_loss_share(smol):
+    """A drafter whose every token is wrong, at a confidence (0.3) that pays on this curve (a
+    second row costs 1.12 steps): once the reply is its loss share behind plain decoding, it drafts
+    only as the reply's length carries the loss (a quarter of the steps here), not every step;
+    output identical to plain."""
+    from edgespec.costmodel import LOSS_SHARE
+    from edgespec.draft import Draft
+    from edgespec.drafters.base import Candidates, NullDrafter
+
+    toks = smol.prompt_tokens(PROMPTS[0])
+    n = 48
+    ref = smol.generate(toks, n, GREEDY).run()
+
+    class Wrong(NullDrafter):
+        name = "wrong"
+
+        def propose(self, context, budget):
+            i = len(context) - len(toks)
+            bad = (ref.tokens[i] + 1) % 1000 if i < len(ref.tokens) else 5
+            return Candidates([0.3], lambda k: Draft.chain([bad] * k))
+
+    saved = smol.cost
+    smol.cost = CostModel(KS, tuple(0.01 * (1 + 0.12 * (k - 1)) for k in KS), online=False,
+                          max_exact_rows=saved.max_exact_rows)
+    try:
+        g = smol.generate(toks, n, GREEDY, Wrong()).run()
+    finally:
+        smol.cost = saved
+    assert list(g.tokens) == list(ref.tokens) and g.stats.n_accept == 0
+    assert 0 < g.stats.n_drafted <= LOSS_SHARE * len(g.tokens) / 0.12 + 2, g.stats.n_drafted

@@ -116,3 +116,23 @@ def test_best_size_is_the_plain_scan_of_every_size():
         probs = sorted((rng.random() for _ in range(rng.randrange(70))), reverse=True)
         fixed, per_node, n_past = rng.randint(1, 3), rng.choice([0.0, 1e-4]), rng.randrange(3000)
         assert cm.best_size(probs, fixed, per_node, n_past=n_past) == scan(probs, fixed, per_node, n_past)
+
+
+def test_a_reply_behind_plain_drafts_only_what_covers_its_risk():
+    """`slack`, the plain steps a reply may still lose: a bet that pays on average by a hair goes
+    while it fits, and past it only a draft whose expected gain also covers the excess; on a flat
+    curve nothing is at risk."""
+    from edgespec.costmodel import LOSS_SHARE, loss_slack
+
+    cpu = CostModel(KS, tuple(0.01 * (1 + 0.12 * (k - 1)) for k in KS), online=False)  # 2 rows: 1.12x
+    assert cpu.best_size([0.2]) == 1  # 1.2 tokens for 1.12 steps
+    assert cpu.best_size([0.2], slack=0.12) == 1  # its loss (0.12 steps) fits
+    assert cpu.best_size([0.2], slack=0.0) == 0  # expected gain 0.08 < 0.8 * 0.12 beyond the slack
+    assert cpu.best_size([0.3], slack=0.0) == 1  # 0.18 covers 0.7 * 0.12
+    # a likely copy risks little: 1.46 expected covers 0.1 * (0.24 + 2) behind, not 0.1 * (0.24 + 20)
+    assert cpu.best_size([0.9, 0.8], slack=-2.0) == 2 and cpu.best_size([0.9, 0.8], slack=-20.0) == 0
+    assert cpu.best_size([0.2], slack=0.0, n_past=0) == 0 and flat().best_size([0.2], slack=-5.0) == 1
+    assert abs(cpu.step_loss(2) - 0.12) < 1e-9 and abs(cpu.step_loss(2, seconds=0.01) - 1.12) < 1e-9
+    assert loss_slack(-1.0, 100) == -1.0 + LOSS_SHARE * 100
+    b = Budget(16, 1, 1, cpu, SamplingConfig(), slack=0.0)
+    assert not b.may_probe() and Budget(16, 1, 1, cpu, SamplingConfig(), slack=0.2).may_probe()

@@ -3,6 +3,7 @@ and the confidence-gated chain loop."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Union
 
@@ -33,13 +34,22 @@ class Budget:
     # False where the scheduler sizes several sequences' drafts together (multi): a drafter's
     # gates then let everything within max_nodes through, and the scheduler weighs it all
     gated: bool = True
+    # plain steps the generation may still lose on drafts not kept (costmodel.loss_slack): a draft
+    # that could lose more must expect to gain more than it risks (CostModel.best_size)
+    slack: float = math.inf
 
     def size(self, path_probs: list[float], per_node: float = 0.0, fixed: float = 0.0) -> int:
         """How many candidates (in order, each with the chance its path is accepted) pay, with
         `per_node` drafting seconds per candidate and `fixed` per step; at least `n_min` of them
         (bypassing the cost model, to measure acceptance where drafting does not pay)."""
-        n = self.cost.best_size(path_probs, self.fixed_rows, per_node, n_past=self.n_past, fixed=fixed)
+        n = self.cost.best_size(path_probs, self.fixed_rows, per_node, n_past=self.n_past, fixed=fixed,
+                                slack=self.slack)
         return max(n, min(self.n_min, len(path_probs), self.max_nodes))
+
+    def may_probe(self) -> bool:
+        """Whether a one-node draft that does not pay (a drafter's probe, to learn again) fits in
+        what the generation may still lose."""
+        return self.slack == math.inf or self.cost.step_loss(self.fixed_rows + 1, self.fixed_rows, self.n_past) <= max(self.slack, 0.0)
 
     def gate(self, path_probs: list[float], per_node: float = 0.0, fixed: float = 0.0) -> int:
         """For a drafter deciding while it drafts: how many of these candidates would pay
@@ -72,7 +82,10 @@ def sized(proposal: Proposal, budget: Budget) -> Draft:
     member): as many candidates as pay on the cost curve, at least `budget.n_min`."""
     if isinstance(proposal, Draft):
         return proposal
-    return proposal.take(budget.size(proposal.path, proposal.per_node) if proposal.path else 0)
+    n = budget.size(proposal.path, proposal.per_node) if proposal.path else 0
+    if n == 0 and not budget.may_probe():
+        return Draft()  # no room for a probe's loss now (take(0) may probe)
+    return proposal.take(n)
 
 
 def every(proposal: Proposal) -> tuple[Draft, list[float]]:

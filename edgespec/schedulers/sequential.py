@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..draft import Draft
+from ..costmodel import loss_slack
 from ..drafters.base import ALL_ROWS, FEATURES, LAYER_TAPS, NEXTN_ROWS, NOTHING, Budget, Drafter, NullDrafter, sized
 from ..events import StepEvent
 from ..lifecycle import Lifecycle
@@ -56,6 +57,10 @@ class Generation(Lifecycle):
             max_rows = min(ctx.n_batch, eng.max_verify_rows)
             n_seq_max, cost, n_min = ctx.cfg.n_seq_max, eng.cost, eng.cfg.draft_n_min
             propose, accept = self.drafter.propose, self.drafter.accept
+            # against plain decoding, in plain steps: tokens committed less the steps they cost
+            # (predicted by the curve, drafting time included), so that bets that did not pay
+            # cannot put a reply more than LOSS_SHARE behind plain (see CostModel.best_size)
+            ledger, n_tokens = 0.0, 1
             while True:
                 ev, done = self._commit(step_no, draft, accepted, committed, t_draft, t_verify,
                                         draft.source or self.drafter.name)
@@ -76,6 +81,7 @@ class Generation(Lifecycle):
                     sampling=cfg,
                     n_past=n_before,
                     n_min=n_min,
+                    slack=loss_slack(ledger, n_tokens),
                 )
                 t1 = time.perf_counter()
                 # the drafter's candidates, as many as pay on the cost curve (see drafters.base.sized)
@@ -93,6 +99,10 @@ class Generation(Lifecycle):
                 committed = [draft.tokens[a] for a in accepted] + [nxt]
                 t3 = time.perf_counter()
                 t_draft, t_verify = t2 - t1, t3 - t2
+                n_tokens += len(committed)
+                if draft.tokens:  # a plain step is even with plain decoding
+                    ledger += len(committed) - 1 - cost.step_loss(budget.fixed_rows + len(draft), budget.fixed_rows,
+                                                                  n_before, t_draft)
                 accept(draft, accepted, committed)
         except GeneratorExit:  # stopped by the reader: the cache is consistent
             raise
