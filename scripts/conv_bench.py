@@ -1,6 +1,7 @@
 """Chat as `edgespec chat` runs it: the default (`auto` with the reply history) against
 `--spec none`, on first-turn chat prompts, summaries of the prompt's text and two-turn revisions
-of the last reply, alternated, each conversation's last turn timed.
+of the last reply, alternated, each conversation's last turn timed (`--no-ledger-arm`: a third arm,
+the default without the per-reply loss bound of CostModel.best_size).
 
     python scripts/conv_bench.py -m qwen2.5-coder-1.5b-instruct -t 2 --lock /tmp/edgespec-cpu.lock \\
         --prompts ../shared/bench/prompts.jsonl --json out.json
@@ -28,6 +29,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from edgespec import costmodel
 from edgespec.engine import Engine, EngineConfig
 from edgespec.frontends.session import ChatSession
 from edgespec.sampling import SamplingConfig
@@ -96,6 +98,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated case ids or groups")
     ap.add_argument("--json", default=None)
     ap.add_argument("--lock", default=None, metavar="FILE", help="hold this lock (flock) during each case")
+    ap.add_argument("--no-ledger-arm", action="store_true",
+                    help="a third arm: the default without its per-reply loss bound (costmodel.LOSS_SHARE infinite)")
     a = ap.parse_args()
     draft = a.draft
     if draft is None:
@@ -103,6 +107,7 @@ def main() -> None:
 
         pair = CATALOG.get(a.model)
         draft = pair.draft if pair is not None and pair.draft and is_cached(pair.draft) else None
+    share = costmodel.LOSS_SHARE
     hist = Path(tempfile.mkdtemp(prefix="conv-bench-")) / "history.npz"
     engine = Engine(EngineConfig(model=a.model, draft=draft, threads=a.threads, n_ctx=4096, history=str(hist)))
     rows = []
@@ -119,15 +124,26 @@ def main() -> None:
             keep = set(a.only.split(","))
             todo = [c for c in todo if c[0] in keep or c[1] in keep]
         for cid, grp, turns in todo:
-            ratios, same, info = [], True, {}
+            ratios, same, info, extra = [], True, {}, {}
             with _locked(a.lock):
                 for _ in range(a.repeats):
                     plain, r0, _ = run(engine, "none", turns, a.n, False)
                     spec, r1, info = run(engine, "auto", turns, a.n, True)
                     same &= plain == spec
                     ratios.append(r1 / r0 if r0 else float("nan"))
+                    if a.no_ledger_arm:
+                        costmodel.LOSS_SHARE = math.inf
+                        try:
+                            spec2, r2, info2 = run(engine, "auto", turns, a.n, True)
+                        finally:
+                            costmodel.LOSS_SHARE = share
+                        same &= plain == spec2
+                        extra.setdefault("no_ledger_ratios", []).append(round(r2 / r0 if r0 else float("nan"), 3))
+                        extra["no_ledger_by_source"] = info2["by_source"]
+            if extra:
+                extra["no_ledger_ratio"] = round(statistics.median(extra["no_ledger_ratios"]), 3)
             row = {"id": cid, "group": grp, "ratio": round(statistics.median(ratios), 3),
-                   "ratios": [round(x, 3) for x in ratios], "identical": same, **info}
+                   "ratios": [round(x, 3) for x in ratios], "identical": same, **info, **extra}
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -140,6 +156,10 @@ def main() -> None:
         low = min(rs, key=lambda r: r["ratio"])
         print(f"| {grp} | {len(rs)} | {g:.2f}x | {low['ratio']:.2f}x ({low['id']}) | "
               f"{sum(r['identical'] for r in rs)}/{len(rs)} |")
+        if all("no_ledger_ratio" in r for r in rs):
+            g2 = math.exp(statistics.mean(math.log(r["no_ledger_ratio"]) for r in rs))
+            low2 = min(rs, key=lambda r: r["no_ledger_ratio"])
+            print(f"| {grp}, no ledger | {len(rs)} | {g2:.2f}x | {low2['no_ledger_ratio']:.2f}x ({low2['id']}) | |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 
