@@ -126,20 +126,23 @@ def main() -> None:
         for cid, grp, turns in todo:
             ratios, same, info, extra = [], True, {}, {}
             with _locked(a.lock):
-                for _ in range(a.repeats):
+                for i in range(a.repeats):
                     plain, r0, _ = run(engine, "none", turns, a.n, False)
-                    spec, r1, info = run(engine, "auto", turns, a.n, True)
-                    same &= plain == spec
-                    ratios.append(r1 / r0 if r0 else float("nan"))
-                    if a.no_ledger_arm:
-                        costmodel.LOSS_SHARE = math.inf
-                        try:
-                            spec2, r2, info2 = run(engine, "auto", turns, a.n, True)
-                        finally:
-                            costmodel.LOSS_SHARE = share
-                        same &= plain == spec2
-                        extra.setdefault("no_ledger_ratios", []).append(round(r2 / r0 if r0 else float("nan"), 3))
-                        extra["no_ledger_by_source"] = info2["by_source"]
+                    # with the third arm, the two `auto` arms swap places every other repeat
+                    for arm in (("auto", "no ledger") if i % 2 == 0 or not a.no_ledger_arm else ("no ledger", "auto")):
+                        if arm == "auto":
+                            spec, r1, info = run(engine, "auto", turns, a.n, True)
+                            same &= plain == spec
+                            ratios.append(r1 / r0 if r0 else float("nan"))
+                        elif a.no_ledger_arm:
+                            costmodel.LOSS_SHARE = math.inf
+                            try:
+                                spec2, r2, info2 = run(engine, "auto", turns, a.n, True)
+                            finally:
+                                costmodel.LOSS_SHARE = share
+                            same &= plain == spec2
+                            extra.setdefault("no_ledger_ratios", []).append(round(r2 / r0 if r0 else float("nan"), 3))
+                            extra["no_ledger_by_source"] = info2["by_source"]
             if extra:
                 extra["no_ledger_ratio"] = round(statistics.median(extra["no_ledger_ratios"]), 3)
             row = {"id": cid, "group": grp, "ratio": round(statistics.median(ratios), 3),

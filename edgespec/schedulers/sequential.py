@@ -57,9 +57,11 @@ class Generation(Lifecycle):
             max_rows = min(ctx.n_batch, eng.max_verify_rows)
             n_seq_max, cost, n_min = ctx.cfg.n_seq_max, eng.cost, eng.cfg.draft_n_min
             propose, accept = self.drafter.propose, self.drafter.accept
-            # against plain decoding, in plain steps: tokens committed less the steps they cost
-            # (predicted by the curve, drafting time included), so that bets that did not pay
-            # cannot put a reply more than LOSS_SHARE behind plain (see CostModel.best_size)
+            # against plain decoding, in plain steps: tokens committed less the steps their rows
+            # cost (predicted by the curve), so that bets that did not pay cannot put a reply more
+            # than LOSS_SHARE behind plain (see CostModel.best_size). A draft model's own time (its
+            # catch-up on what others drafted above all) is left to `auto`'s gates, which measure
+            # it: charged here, one catch-up would stop every other member's bets for the reply.
             ledger, n_tokens = 0.0, 1
             while True:
                 ev, done = self._commit(step_no, draft, accepted, committed, t_draft, t_verify,
@@ -102,7 +104,7 @@ class Generation(Lifecycle):
                 n_tokens += len(committed)
                 if draft.tokens:  # a plain step is even with plain decoding
                     ledger += len(committed) - 1 - cost.step_loss(budget.fixed_rows + len(draft), budget.fixed_rows,
-                                                                  n_before, t_draft)
+                                                                  n_before)
                 accept(draft, accepted, committed)
         except GeneratorExit:  # stopped by the reader: the cache is consistent
             raise
