@@ -235,15 +235,13 @@ class CostModel:
                     best_n, best_rate = n, rate
         if (not best_n and probs and not fixed and self.online and self.n_obs[1] < MIN_EVIDENCE
                 and self._plain_run >= EXPLORE_EVERY
-                and self.t(fixed_rows + 1, n_past) / t_plain - 1.0 <= max(slack, 0.0)):
+                and self.step_loss(fixed_rows + 1, fixed_rows, n_past) <= max(slack, 0.0)):
             return min(EXPLORE_NODES, len(probs))
         return best_n
 
-    def step_loss(self, rows: int, fixed_rows: int = 1, n_past: int = 0, seconds: float = 0.0) -> float:
-        """Plain steps a step of `rows` rows (and `seconds` of drafting) costs beyond one plain step."""
-        t_plain = self.t(fixed_rows, n_past)
-        return (self.t(rows, n_past) + seconds) / t_plain - 1.0
-
+    def step_loss(self, rows: int, fixed_rows: int = 1, n_past: int = 0) -> float:
+        """Plain steps that decoding `rows` rows costs beyond a plain step of `fixed_rows`."""
+        return self.t(rows, n_past) / self.t(fixed_rows, n_past) - 1.0
 
     def to_dict(self) -> dict:
         return {"k": list(self.ks), "ms": [round(t * 1e3, 3) for t in self.ts],

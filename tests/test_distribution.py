@@ -397,3 +397,38 @@ def test_sampled_output_with_drafts_ending_at_the_end_token(tiny, monkeypatch, m
     assert any(len(s) < L for s in samples)
     p = gof(samples, expected)
     assert p > ALPHA, f"{method} ({'seeded' if seeded else 'unseeded'}): chi-square p = {p:.3g} over {len(samples)} completions"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+def test_sampled_output_with_the_loss_bound_deciding(tiny, monkeypatch, expected_of, seeded):
+    """On a CPU's curve (a second row costs 1.12 steps) the sequential loop's per-reply ledger
+    (CostModel.best_size's `slack`) decides some steps: whether lookahead drafts at a completion's
+    next token depends on whether its last draft was kept. The completions are still the target's
+    distribution, and the bound is seen to change sizes (else this would test nothing new)."""
+    import math
+
+    from edgespec.costmodel import KS, CostModel
+
+    expected = expected_of(tiny)
+    orig = CostModel.best_size
+    decided = [0]
+
+    def counting(self, probs, *a, slack=math.inf, **k):
+        n = orig(self, probs, *a, slack=slack, **k)
+        decided[0] += n != orig(self, probs, *a, **k)
+        return n
+
+    monkeypatch.setattr(CostModel, "best_size", counting)
+    saved = tiny.cost
+    tiny.cost = CostModel(KS, tuple(VERIFY_S * (1 + 0.12 * (k - 1)) for k in KS), online=False,
+                          max_exact_rows=saved.max_exact_rows)
+    try:
+        seen = Verdicts(monkeypatch)
+        samples = completions(forced(tiny, lambda cfg: tiny.make_drafter("lookahead")), seeded)
+    finally:
+        tiny.cost = saved
+    seen.assert_drafted("lookahead under the loss bound")
+    assert decided[0] > 0, "the loss bound changed no draft's size"
+    p = gof(samples, expected)
+    assert p > ALPHA, f"lookahead under the loss bound ({'seeded' if seeded else 'unseeded'}): chi-square p = {p:.3g}"

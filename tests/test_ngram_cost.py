@@ -132,7 +132,7 @@ def test_a_reply_behind_plain_drafts_only_what_covers_its_risk():
     # a likely copy risks little: 1.46 expected covers 0.1 * (0.24 + 2) behind, not 0.1 * (0.24 + 20)
     assert cpu.best_size([0.9, 0.8], slack=-2.0) == 2 and cpu.best_size([0.9, 0.8], slack=-20.0) == 0
     assert cpu.best_size([0.2], slack=0.0, n_past=0) == 0 and flat().best_size([0.2], slack=-5.0) == 1
-    assert abs(cpu.step_loss(2) - 0.12) < 1e-9 and abs(cpu.step_loss(2, seconds=0.01) - 1.12) < 1e-9
+    assert abs(cpu.step_loss(2) - 0.12) < 1e-9 and abs(cpu.step_loss(3, 2) - 0.12 / 1.12) < 1e-9
     assert loss_slack(-1.0, 100) == -1.0 + LOSS_SHARE * 100
     b = Budget(16, 1, 1, cpu, SamplingConfig(), slack=0.0)
     assert not b.may_probe() and Budget(16, 1, 1, cpu, SamplingConfig(), slack=0.2).may_probe()

@@ -49,7 +49,9 @@ class Budget:
     def may_probe(self) -> bool:
         """Whether a one-node draft that does not pay (a drafter's probe, to learn again) fits in
         what the generation may still lose."""
-        return self.slack == math.inf or self.cost.step_loss(self.fixed_rows + 1, self.fixed_rows, self.n_past) <= max(self.slack, 0.0)
+        if self.slack == math.inf:
+            return True
+        return self.cost.step_loss(self.fixed_rows + 1, self.fixed_rows, self.n_past) <= max(self.slack, 0.0)
 
     def gate(self, path_probs: list[float], per_node: float = 0.0, fixed: float = 0.0) -> int:
         """For a drafter deciding while it drafts: how many of these candidates would pay

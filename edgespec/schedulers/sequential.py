@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from ..draft import Draft
 from ..costmodel import loss_slack
+from ..draft import Draft
 from ..drafters.base import ALL_ROWS, FEATURES, LAYER_TAPS, NEXTN_ROWS, NOTHING, Budget, Drafter, NullDrafter, sized
 from ..events import StepEvent
 from ..lifecycle import Lifecycle
