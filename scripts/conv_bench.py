@@ -100,7 +100,11 @@ def main() -> None:
     ap.add_argument("--lock", default=None, metavar="FILE", help="hold this lock (flock) during each case")
     ap.add_argument("--no-ledger-arm", action="store_true",
                     help="a third arm: the default without its per-reply loss bound (costmodel.LOSS_SHARE infinite)")
+    ap.add_argument("--loss-share", type=float, default=None,
+                    help="the default arm's costmodel.LOSS_SHARE (default: the module's)")
     a = ap.parse_args()
+    if a.loss_share is not None:
+        costmodel.LOSS_SHARE = a.loss_share
     draft = a.draft
     if draft is None:
         from edgespec.models import CATALOG, is_cached
