@@ -43,8 +43,8 @@ REVISIONS = [
 ]
 
 
-def cases(prompts_file: str | None) -> list[tuple[str, str, list[str]]]:
-    """(id, group, user turns)."""
+def cases(prompts_file: str | None, code: bool = False) -> list[tuple[str, str, list[str]]]:
+    """(id, group, user turns); with `code`, the code edits too."""
     out = []
     if prompts_file:
         for line in Path(prompts_file).read_text().splitlines():
@@ -53,7 +53,8 @@ def cases(prompts_file: str | None) -> list[tuple[str, str, list[str]]]:
             if len(turns) != 1:
                 continue
             cat = d["category"]
-            grp = "chat" if cat.startswith("chat") else "summary" if cat in ("quote-summarize", "rag", "extraction") else ""
+            grp = ("chat" if cat.startswith("chat") else "summary" if cat in ("quote-summarize", "rag", "extraction")
+                   else "code" if cat == "code-edit" and code else "")
             if grp:
                 out.append((d["id"], grp, turns))
     out += [(i, "revision", [a, b]) for i, a, b in REVISIONS]
@@ -95,7 +96,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompts", default=None)
-    ap.add_argument("--only", default="", help="comma-separated case ids or groups")
+    ap.add_argument("--only", default="", help="comma-separated case ids or groups (`code`: the code edits, not run otherwise)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--lock", default=None, metavar="FILE", help="hold this lock (flock) during each case")
     ap.add_argument("--no-ledger-arm", action="store_true",
@@ -123,7 +124,7 @@ def main() -> None:
             engine.draft_kv.reset()
         for method in ("none", "auto"):
             run(engine, method, ["Say hello."], 16, method == "auto")
-        todo = cases(a.prompts)
+        todo = cases(a.prompts, "code" in a.only.split(","))
         if a.only:
             keep = set(a.only.split(","))
             todo = [c for c in todo if c[0] in keep or c[1] in keep]
