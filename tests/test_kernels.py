@@ -131,9 +131,9 @@ def test_q4_1_rows_are_bit_identical_to_one_row():
 @pytest.mark.parametrize("variant", ["q4_0", "q8_0"])
 def test_q4_0_and_q8_0_rows_are_bit_identical_to_one_row(variant):
     """The catalog's other SmolLM2 files, which no patch of ours touches: on x86 ggml repacks Q4_0
-    at load (its interleaved GEMV/GEMM) and runs Q8_0 (and their Q8_0 output) through llamafile's
-    tinyBLAS at every row count; every row count from 1 to 32 decodes to the bits of one-row
-    decodes all the same (docs/laptop.md has what their rows cost)."""
+    at load (its interleaved GEMV/GEMM) and runs Q8_0 (their output layer too) through llamafile's
+    tinyBLAS from 2 rows, the one-row dot product for one; every row count from 1 to 32 decodes to
+    the bits of one-row decodes all the same (docs/laptop.md has what their rows cost)."""
     if not kernels.batch_invariant():
         pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")
     from edgespec.models import resolve
