@@ -258,7 +258,7 @@ int main(int argc, char ** argv) {
     if (argc < 3) {
         fprintf(stderr,
                 "usage: %s MODEL.gguf TENSOR[,TENSOR...] [--rows 1,2,3,4,8] [--threads 2] [--reps 20] [--mb 512] "
-                "[--slice ROWS] [--check] [--floors | --floors-only]\n",
+                "[--slice ROWS] [--check] [--floors | --floors-only] [--repack-q4-1]\n",
                 argv[0]);
         return 2;
     }
@@ -266,6 +266,7 @@ int main(int argc, char ** argv) {
     char *       names = strdup(argv[2]);
     const char * rows_arg = "1,2,3,4,8";
     int          nthreads = 2, reps = 20, check = 0, floors = 0;
+    int          repack_q4_1 = 0;  // the build repacks Q4_1 (edgespec's patch 0012): put it in the repacking buffer
     int64_t      slice = 0;
     double       mb = 512;
     for (int i = 3; i < argc; i++) {
@@ -285,6 +286,8 @@ int main(int argc, char ** argv) {
             floors = 1;
         } else if (!strcmp(argv[i], "--floors-only")) {
             floors = 2;
+        } else if (!strcmp(argv[i], "--repack-q4-1")) {
+            repack_q4_1 = 1;
         }
     }
     int  rows[64], nrows = 0;
@@ -322,7 +325,8 @@ int main(int argc, char ** argv) {
         // the repacking buffer takes what it repacks on this CPU, the plain CPU buffer the rest
         ggml_backend_buffer_type_t wbt = ggml_backend_cpu_buffer_type();
         int                        repacked = 0;
-        if (rbt && (h.type == GGML_TYPE_Q4_K || h.type == GGML_TYPE_Q4_0 || h.type == GGML_TYPE_IQ4_NL) &&
+        if (rbt && (h.type == GGML_TYPE_Q4_K || h.type == GGML_TYPE_Q4_0 || h.type == GGML_TYPE_IQ4_NL ||
+                    (h.type == GGML_TYPE_Q4_1 && repack_q4_1)) &&
             h.ne1 % 8 == 0) {
             wbt = rbt;
             repacked = 1;

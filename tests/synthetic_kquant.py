@@ -104,8 +104,8 @@ CHECK_TENSORS = "blk.0.ffn_gate.weight,blk.1.ffn_down.weight,output.weight,blk.1
 def matmul_mismatches(model: str | Path, name: str, folder: str | Path, rows: str, tensors: str = CHECK_TENSORS,
                       types: set[str] | None = None) -> list[dict]:
     """scripts/kernel_bench.py --check with the ggml-cpu build in `folder` on `tensors` of `model`
-    (the tiny model's CHECK_TENSORS by default) at `rows` (comma-separated): per tensor, its type and
-    {rows: values differing from one-row products}. The tensors' types must be `types` (default:
+    (the tiny model's CHECK_TENSORS by default) at `rows` (comma-separated): per tensor, its type,
+    whether the build repacked it, and {rows: values differing from one-row products}. The tensors' types must be `types` (default:
     Q4_K, repacked, and Q6_K)."""
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run([sys.executable, str(root / "scripts" / "kernel_bench.py"), str(model), "--lib",
@@ -118,5 +118,5 @@ def matmul_mismatches(model: str | Path, name: str, folder: str | Path, rows: st
         assert {t["type"] for t in got} == {"q4_K", "q6_K"} and any(t["repacked"] for t in got)
     else:
         assert {t["type"] for t in got} == types
-    return [{"name": t["name"], "type": t["type"], "diff": {n: v["mismatches"] for n, v in t["ms"].items()}}
-            for t in got]
+    return [{"name": t["name"], "type": t["type"], "repacked": t["repacked"],
+             "diff": {n: v["mismatches"] for n, v in t["ms"].items()}} for t in got]

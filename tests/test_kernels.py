@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edgespec import kernel_build, kernels
@@ -110,9 +111,10 @@ def test_matmul_rows_are_bit_identical_to_one_row(tiny_q4_k):
 
 
 def test_q4_1_rows_are_bit_identical_to_one_row():
-    """The default SmolLM2 file is Q4_1 in its body (Q8_0 output): through patch 0011's several-row
-    dot product every row count from 1 to 32 decodes to the bits of one-row decodes, and the
-    product alone (kernel_bench --check on a Q4_1 tensor) has them at 1-8 rows, one call each, and 16."""
+    """The default SmolLM2 file is Q4_1 in its body (Q8_0 output): repacked at load on AVX2 (patch
+    0012; 0011's several-row dot product where it is not), every row count from 1 to 32 decodes to
+    the bits of one-row decodes, and the product alone (kernel_bench --check on a Q4_1 tensor, in
+    the repacking buffer as a model load puts it) has them at 1-8 rows, one call each, 16 and 33."""
     if not kernels.batch_invariant():
         pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")
     from edgespec.models import resolve
@@ -124,8 +126,72 @@ def test_q4_1_rows_are_bit_identical_to_one_row():
     if shutil.which(os.environ.get("CC", "cc")) is None:
         return
     lib = Path(kernels.info()["path"]).parent
-    (t,) = matmul_mismatches(model, "patched", lib, "1,2,3,4,5,6,7,8,16", "blk.3.ffn_up.weight", {"q4_1"})
+    (t,) = matmul_mismatches(model, "patched", lib, "1,2,3,4,5,6,7,8,16,33", "blk.3.ffn_up.weight", {"q4_1"})
     assert all(n == 0 for n in t["diff"].values()), t
+    assert t["repacked"] == ("avx2" in (kernel_build.cpu_flags() or set())), t
+
+
+def _q4_1_blocks(model, name: str) -> tuple[np.ndarray, int, int]:
+    from gguf import GGUFReader
+
+    (t,) = [t for t in GGUFReader(model).tensors if t.name == name]
+    k, n = int(t.shape[0]), int(t.shape[1])
+    return np.asarray(t.data).view(np.uint8).reshape(n, k // 32, 20), k, n
+
+
+def _q4_1x8(blocks: np.ndarray) -> np.ndarray:
+    """block_q4_1x8 as patch 0012's repack.h lays it out: per group of 8 weight rows and block, the
+    8 scales, the 8 mins, then 4 vectors of 32 bytes, vector v holding row j's quant bytes 4v..4v+3
+    at 4j..4j+3."""
+    n, nb, _ = blocks.shape
+    g = blocks.reshape(n // 8, 8, nb, 20).transpose(0, 2, 1, 3)  # group, block, row, bytes
+    out = np.empty((n // 8, nb, 160), np.uint8)
+    out[..., 0:16] = g[..., 0:2].reshape(n // 8, nb, 16)
+    out[..., 16:32] = g[..., 2:4].reshape(n // 8, nb, 16)
+    qs = g[..., 4:].reshape(n // 8, nb, 8, 4, 4)  # row, vector, byte
+    out[..., 32:] = qs.transpose(0, 1, 3, 2, 4).reshape(n // 8, nb, 128)
+    return np.ascontiguousarray(out)
+
+
+def test_repacked_q4_1_products_are_the_exact_sums():
+    """Bit-identical rows say nothing of whether a row is right. Patch 0012's GEMV on SmolLM2's own
+    Q4_1 weights, laid out as its repack does, against Q8_1 activations that ggml quantized: each
+    value equals the float64 sum of d_w * d_a * (integer dot product) + m_w * s_a over the blocks to
+    float precision, for one row and for eight (the one-row dot product, for scale, is as close)."""
+    import ctypes
+
+    if not kernels.batch_invariant():
+        pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")
+    if "avx2" not in (kernel_build.cpu_flags() or set()):
+        pytest.skip("patch 0012's kernel is x86 AVX2 only")
+    from edgespec.models import resolve
+
+    lib = ctypes.CDLL(kernels.info()["path"])
+    lib.ggml_cpu_init()
+    blocks, k, n = _q4_1_blocks(resolve("smollm2-135m-instruct", quiet=True), "blk.3.ffn_up.weight")
+    nb, rows = k // 32, 8
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    q = np.zeros((rows, nb * 36), np.uint8)
+    for r in range(rows):
+        lib.quantize_row_q8_1(x[r].ctypes.data_as(ctypes.c_void_p), q[r].ctypes.data_as(ctypes.c_void_p),
+                              ctypes.c_int64(k))
+    qa = q.reshape(rows, nb, 36)
+    d_a = qa[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    s_a = qa[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    a = qa[..., 4:].view(np.int8).astype(np.float64)
+    d_w = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    m_w = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    w = np.concatenate([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], axis=2).astype(np.float64)
+    exact = np.einsum("nbk,rbk,nb,rb->rn", w, a, d_w, d_a) + np.einsum("nb,rb->rn", m_w, s_a)
+    packed = _q4_1x8(blocks)
+    for nr in (1, rows):
+        out = np.zeros((nr, n), np.float32)
+        lib.ggml_gemv_q4_1_8x8_q8_1_rows(ctypes.c_int(k), out.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(n),
+                                         packed.ctypes.data_as(ctypes.c_void_p), q.ctypes.data_as(ctypes.c_void_p),
+                                         ctypes.c_size_t(nb * 36), ctypes.c_int(nr), ctypes.c_int(n))
+        err = np.abs(out - exact[:nr]).max() / np.abs(exact[:nr]).max()
+        assert err < 1e-6, (nr, err)
 
 
 @pytest.mark.parametrize("variant", ["q4_0", "q8_0"])
@@ -191,7 +257,7 @@ def test_the_patches_say_why():
     """Each patch carries its reason and the commit it is made against, as ollama's do."""
     ps = kernel_build.patches()
     assert [p.name[:4] for p in ps] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
-                                        "0011"]
+                                        "0011", "0012"]
     for p in ps:
         head = p.read_text().split("\n---\n", 1)[0]
         assert "Subject: [PATCH]" in head and "0c1e57098" in head and len(head.splitlines()) > 8
