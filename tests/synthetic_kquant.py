@@ -30,6 +30,7 @@ N_FF = 512
 N_CTX = 1024
 N_VOCAB = 256  # llama.cpp's dummy "test" tokenizer
 FTYPE_Q4_K_M = 15  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
+FTYPE_Q5_K_M = 17  # LLAMA_FTYPE_MOSTLY_Q5_K_M: Q5_K and Q6_K weights
 
 
 def write_f32(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:
@@ -66,8 +67,8 @@ def write_f32(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:
     return path
 
 
-def write_q4_k_m(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:
-    """The tiny model, quantized to Q4_K_M by llama.cpp; returns `path`."""
+def write_q4_k_m(path: str | Path, n_layer: int = 2, seed: int = 0, ftype: int = FTYPE_Q4_K_M) -> Path:
+    """The tiny model, quantized to Q4_K_M (or another llama_ftype) by llama.cpp; returns `path`."""
     import llama_cpp as lc
 
     from edgespec.llama import backend_init
@@ -76,7 +77,7 @@ def write_q4_k_m(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:
     src = write_f32(path.with_name(path.stem + ".f32.gguf"), n_layer, seed)
     backend_init()
     params = lc.llama_model_quantize_default_params()
-    params.ftype = FTYPE_Q4_K_M
+    params.ftype = ftype
     params.nthread = 2
     rc = lc.llama_model_quantize(str(src).encode(), str(path).encode(), ctypes.byref(params))
     src.unlink()
