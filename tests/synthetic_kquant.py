@@ -31,6 +31,7 @@ N_CTX = 1024
 N_VOCAB = 256  # llama.cpp's dummy "test" tokenizer
 FTYPE_Q4_K_M = 15  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_K_M
 FTYPE_Q5_K_M = 17  # LLAMA_FTYPE_MOSTLY_Q5_K_M: Q5_K and Q6_K weights
+FTYPE_IQ4_XS = 30  # LLAMA_FTYPE_MOSTLY_IQ4_XS
 
 
 def write_f32(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:

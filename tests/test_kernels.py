@@ -16,7 +16,7 @@ import pytest
 
 from edgespec import kernel_build, kernels
 
-from synthetic_kquant import FTYPE_Q5_K_M, matmul_mismatches, tensor_types, tiny_q4_k_fixture, write_q4_k_m
+from synthetic_kquant import FTYPE_IQ4_XS, FTYPE_Q5_K_M, matmul_mismatches, tensor_types, tiny_q4_k_fixture, write_q4_k_m
 
 # Every row count from 1 to 32 against one-row decodes of the same tokens after a 40-token prefix,
 # on the tiny Q4_K_M model's random weights (tests/synthetic_kquant.py): Q4_K repacked (the GEMV for
@@ -131,15 +131,18 @@ def test_q4_1_rows_are_bit_identical_to_one_row():
     assert t["repacked"] == ("avx2" in (kernel_build.cpu_flags() or set())), t
 
 
-def test_q5_k_rows_are_bit_identical_to_one_row(tmp_path):
-    """Q5_K_M files (Q5_K, Q6_K): through patch 0013's several-row Q5_K dot product (0003's for Q6_K)
-    every row count from 1 to 32 decodes to the bits of one-row decodes on the tiny model's random
-    weights, and the Q5_K products alone have them at 1-8 and 16 rows (at 33 the tiled kernel takes
-    over and differs: the check sees it). The stock kernels differ from 8 rows (their tiled floor)."""
+@pytest.mark.parametrize("ftype,qtype,ggml_name", [(FTYPE_Q5_K_M, "Q5_K", "q5_K"), (FTYPE_IQ4_XS, "IQ4_XS", "iq4_xs")],
+                         ids=["q5_k_m", "iq4_xs"])
+def test_q5_k_and_iq4_xs_rows_are_bit_identical_to_one_row(tmp_path, ftype, qtype, ggml_name):
+    """Q5_K_M files (Q5_K, Q6_K) and IQ4_XS files: through the several-row dot products of patch
+    0013 (Q5_K), 0014 (IQ4_XS) and 0003 (Q6_K), every row count from 1 to 32 decodes to the bits of
+    one-row decodes on the tiny model's random weights, and the Q5_K or IQ4_XS products alone have
+    them at 1-8 and 16 rows (at 33 the tiled kernel takes over and differs: the check sees it). The
+    stock kernels differ from 8 rows (their tiled floor)."""
     if not kernels.batch_invariant():
         pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")
-    model = write_q4_k_m(tmp_path / "tiny-q5_k_m.gguf", ftype=FTYPE_Q5_K_M)
-    assert {"Q5_K", "Q6_K"} <= set(tensor_types(model).values())
+    model = write_q4_k_m(tmp_path / f"tiny-{qtype.lower()}.gguf", ftype=ftype)
+    assert qtype in set(tensor_types(model).values())
     patched = _rows(model, stock=False)
     assert patched["kernels"] == "batch-invariant"
     assert all(d == 0.0 for d in patched["diff"].values()), patched["diff"]
@@ -148,8 +151,8 @@ def test_q5_k_rows_are_bit_identical_to_one_row(tmp_path):
     if shutil.which(os.environ.get("CC", "cc")) is None:
         return
     lib = Path(kernels.info()["path"]).parent
-    for t in matmul_mismatches(model, "patched", lib, "1,2,3,4,5,6,7,8,16,33", "blk.0.ffn_up.weight,blk.0.ffn_down.weight",
-                               {"q5_K"}):
+    for t in matmul_mismatches(model, "patched", lib, "1,2,3,4,5,6,7,8,16,33", "blk.0.ffn_up.weight,blk.0.ffn_gate.weight",
+                               {ggml_name}):
         assert all(t["diff"][n] == 0 for n in t["diff"] if n != "33"), t
         assert t["diff"]["33"] > 0, t
 
@@ -280,7 +283,7 @@ def test_the_patches_say_why():
     """Each patch carries its reason and the commit it is made against, as ollama's do."""
     ps = kernel_build.patches()
     assert [p.name[:4] for p in ps] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
-                                        "0011", "0012", "0013"]
+                                        "0011", "0012", "0013", "0014"]
     for p in ps:
         head = p.read_text().split("\n---\n", 1)[0]
         assert "Subject: [PATCH]" in head and "0c1e57098" in head and len(head.splitlines()) > 8
