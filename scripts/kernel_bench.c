@@ -171,6 +171,22 @@ typedef struct {
     void *         data;
 } host_tensor;
 
+// Whether this build's repacking buffer takes the tensor, asked as a model load asks (llama.cpp's
+// weight_buft_supported): can the device run a matrix product whose weight sits in such a buffer.
+// Each build answers for itself (edgespec's patch 0012 adds Q4_1; stock builds do not).
+static int repacks(ggml_backend_dev_t dev, ggml_backend_buffer_type_t rbt, const host_tensor * h) {
+    struct ggml_init_params ip = { .mem_size = 4 * ggml_tensor_overhead(), .no_alloc = true };
+    struct ggml_context *   ctx = ggml_init(ip);
+    struct ggml_tensor *    w = ggml_new_tensor_2d(ctx, h->type, h->ne0, h->ne1);
+    struct ggml_tensor *    op = ggml_mul_mat(ctx, w, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, h->ne0, 1));
+    ggml_backend_buffer_t   buf = ggml_backend_buft_alloc_buffer(rbt, 0);
+    w->buffer = buf;
+    const int ok = ggml_backend_dev_supports_op(dev, op);
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+    return ok;
+}
+
 // the tensor's first `slice` rows (all if 0; -K: K KB of rows): a slice that fits the caches times the arithmetic alone
 static int load_tensor(const char * path, const char * name, int64_t slice, host_tensor * out) {
     struct ggml_context *   meta = NULL;
@@ -258,7 +274,7 @@ int main(int argc, char ** argv) {
     if (argc < 3) {
         fprintf(stderr,
                 "usage: %s MODEL.gguf TENSOR[,TENSOR...] [--rows 1,2,3,4,8] [--threads 2] [--reps 20] [--mb 512] "
-                "[--slice ROWS] [--check] [--floors | --floors-only] [--repack-q4-1]\n",
+                "[--slice ROWS] [--check] [--floors | --floors-only]\n",
                 argv[0]);
         return 2;
     }
@@ -266,7 +282,6 @@ int main(int argc, char ** argv) {
     char *       names = strdup(argv[2]);
     const char * rows_arg = "1,2,3,4,8";
     int          nthreads = 2, reps = 20, check = 0, floors = 0;
-    int          repack_q4_1 = 0;  // the build repacks Q4_1 (edgespec's patch 0012): put it in the repacking buffer
     int64_t      slice = 0;
     double       mb = 512;
     for (int i = 3; i < argc; i++) {
@@ -286,8 +301,6 @@ int main(int argc, char ** argv) {
             floors = 1;
         } else if (!strcmp(argv[i], "--floors-only")) {
             floors = 2;
-        } else if (!strcmp(argv[i], "--repack-q4-1")) {
-            repack_q4_1 = 1;
         }
     }
     int  rows[64], nrows = 0;
@@ -325,9 +338,7 @@ int main(int argc, char ** argv) {
         // the repacking buffer takes what it repacks on this CPU, the plain CPU buffer the rest
         ggml_backend_buffer_type_t wbt = ggml_backend_cpu_buffer_type();
         int                        repacked = 0;
-        if (rbt && (h.type == GGML_TYPE_Q4_K || h.type == GGML_TYPE_Q4_0 || h.type == GGML_TYPE_IQ4_NL ||
-                    (h.type == GGML_TYPE_Q4_1 && repack_q4_1)) &&
-            h.ne1 % 8 == 0) {
+        if (rbt && repacks(dev, rbt, &h)) {
             wbt = rbt;
             repacked = 1;
         }

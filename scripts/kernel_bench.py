@@ -72,24 +72,12 @@ def lib_folder(spec: str, lib_dir: Path, tmp: Path) -> tuple[str, Path]:
     return name, folder
 
 
-def repacks_q4_1(folder: Path) -> bool:
-    """Whether the build in `folder` repacks Q4_1 weights (edgespec's patch 0012, per its build.json):
-    only then may the harness put them in the repacking buffer (a stock build has no layout for them)."""
-    try:
-        files = json.loads((folder / "libggml-cpu.so.0").resolve().with_name("build.json").read_text())["patch_files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return any(str(f).startswith("0012-") for f in files)
-
-
 def run_one(exe: Path, folder: Path, args, extra: list[str]) -> dict:
     # edgespec's setting for its kernels (kernels.TILED_MIN_ROWS): the tiled K-quant kernel from 33 rows
     env = {**os.environ, "LD_LIBRARY_PATH": str(folder), "OMP_NUM_THREADS": str(args.threads),
            "GGML_CPU_TILED_MM_MIN_ROWS": str(args.tiled_min_rows)}
     cmd = [str(exe), str(args.model), args.tensors, "--rows", args.rows, "--threads", str(args.threads),
            "--reps", str(args.reps), "--mb", str(args.mb), "--slice", str(args.slice)] + extra
-    if repacks_q4_1(folder):
-        cmd.append("--repack-q4-1")
     if shutil.which("flock") and not args.no_lock:
         cmd = ["flock", LOCK] + cmd
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
