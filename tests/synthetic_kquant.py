@@ -34,14 +34,14 @@ FTYPE_Q5_K_M = 17  # LLAMA_FTYPE_MOSTLY_Q5_K_M: Q5_K and Q6_K weights
 FTYPE_IQ4_XS = 30  # LLAMA_FTYPE_MOSTLY_IQ4_XS
 
 
-def write_f32(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:
+def write_f32(path: str | Path, n_layer: int = 2, seed: int = 0, n_ff: int = N_FF) -> Path:
     path = Path(path)
     rng = np.random.default_rng(seed)
 
     def w(*shape: int, scale: float = 0.06) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)  # numpy (out, in) = ggml {in, out}
 
-    wr = llama_like_writer(path, ARCH, n_ctx=N_CTX, n_embd=N_EMBD, n_layer=n_layer, n_ff=N_FF, n_head=N_HEAD,
+    wr = llama_like_writer(path, ARCH, n_ctx=N_CTX, n_embd=N_EMBD, n_layer=n_layer, n_ff=n_ff, n_head=N_HEAD,
                            n_head_kv=N_HEAD_KV, head_dim=HEAD_DIM, n_vocab=N_VOCAB)
     wr.add_key_value("tokenizer.ggml.model", "test", gguf.GGUFValueType.STRING)
     wr.add_key_value("tokenizer.ggml.tokens", [f"tok_{i}" for i in range(N_VOCAB)], gguf.GGUFValueType.ARRAY,
@@ -58,9 +58,9 @@ def write_f32(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:
         wr.add_tensor(f"blk.{i}.attn_v.weight", w(N_HEAD_KV * HEAD_DIM, N_EMBD))
         wr.add_tensor(f"blk.{i}.attn_output.weight", w(N_EMBD, N_HEAD * HEAD_DIM))
         wr.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(N_EMBD, np.float32))
-        wr.add_tensor(f"blk.{i}.ffn_gate.weight", w(N_FF, N_EMBD))
-        wr.add_tensor(f"blk.{i}.ffn_up.weight", w(N_FF, N_EMBD))
-        wr.add_tensor(f"blk.{i}.ffn_down.weight", w(N_EMBD, N_FF))
+        wr.add_tensor(f"blk.{i}.ffn_gate.weight", w(n_ff, N_EMBD))
+        wr.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, N_EMBD))
+        wr.add_tensor(f"blk.{i}.ffn_down.weight", w(N_EMBD, n_ff))
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
@@ -68,14 +68,15 @@ def write_f32(path: str | Path, n_layer: int = 2, seed: int = 0) -> Path:
     return path
 
 
-def write_q4_k_m(path: str | Path, n_layer: int = 2, seed: int = 0, ftype: int = FTYPE_Q4_K_M) -> Path:
-    """The tiny model, quantized to Q4_K_M (or another llama_ftype) by llama.cpp; returns `path`."""
+def write_q4_k_m(path: str | Path, n_layer: int = 2, seed: int = 0, ftype: int = FTYPE_Q4_K_M, n_ff: int = N_FF) -> Path:
+    """The tiny model, quantized to Q4_K_M (or another llama_ftype) by llama.cpp; returns `path`.
+    `n_ff`: the FFN's width (a multiple of 256), the input width of its down projection."""
     import llama_cpp as lc
 
     from edgespec.llama import backend_init
 
     path = Path(path)
-    src = write_f32(path.with_name(path.stem + ".f32.gguf"), n_layer, seed)
+    src = write_f32(path.with_name(path.stem + ".f32.gguf"), n_layer, seed, n_ff)
     backend_init()
     params = lc.llama_model_quantize_default_params()
     params.ftype = ftype

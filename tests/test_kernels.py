@@ -157,6 +157,25 @@ def test_q5_k_and_iq4_xs_rows_are_bit_identical_to_one_row(tmp_path, ftype, qtyp
         assert t["diff"]["33"] > 0, t
 
 
+def test_wide_q4_k_rows_are_bit_identical_to_one_row(tmp_path):
+    """Q4_K rows wider than the L1 cache holds for the rows of a product (patch 0015: an 8960-wide
+    ffn_down, 35 blocks, taken in 2 passes from 4 rows and 3 from 8, the accumulators kept in
+    memory between them): the product alone has the one-row GEMV's bits at 1-8 and 16 rows, and a
+    whole decode at every row count from 1 to 32."""
+    if not kernels.batch_invariant():
+        pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")
+    model = write_q4_k_m(tmp_path / "tiny-wide-q4_k_m.gguf", n_layer=2, n_ff=8960)
+    assert tensor_types(model)["blk.0.ffn_down.weight"] == "Q4_K"
+    patched = _rows(model, stock=False)
+    assert all(d == 0.0 for d in patched["diff"].values()), patched["diff"]
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        return
+    lib = Path(kernels.info()["path"]).parent
+    (t,) = matmul_mismatches(model, "patched", lib, "1,2,3,4,5,6,7,8,16", "blk.0.ffn_down.weight", {"q4_K"})
+    assert all(n == 0 for n in t["diff"].values()), t
+    assert t["repacked"] == ("avx2" in (kernel_build.cpu_flags() or set())), t
+
+
 def _q4_1_blocks(model, name: str) -> tuple[np.ndarray, int, int]:
     from gguf import GGUFReader
 
@@ -283,7 +302,7 @@ def test_the_patches_say_why():
     """Each patch carries its reason and the commit it is made against, as ollama's do."""
     ps = kernel_build.patches()
     assert [p.name[:4] for p in ps] == ["0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008", "0009", "0010",
-                                        "0011", "0012", "0013", "0014"]
+                                        "0011", "0012", "0013", "0014", "0015"]
     for p in ps:
         head = p.read_text().split("\n---\n", 1)[0]
         assert "Subject: [PATCH]" in head and "0c1e57098" in head and len(head.splitlines()) > 8
