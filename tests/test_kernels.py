@@ -119,14 +119,20 @@ def test_q4_1_rows_are_bit_identical_to_one_row():
         pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")
     from edgespec.models import resolve
 
-    model = resolve("smollm2-135m-instruct", quiet=True)
+    _exact_decodes_and_product(resolve("smollm2-135m-instruct", quiet=True), "1,2,3,4,5,6,7,8,16,33",
+                               "blk.3.ffn_up.weight", "q4_1")
+
+
+def _exact_decodes_and_product(model, rows: str, tensor: str, qtype: str) -> None:
+    """Whole decodes of 1-32 rows with the bits of one-row decodes; the product of `tensor` (of
+    type `qtype`, repacked where the CPU has AVX2) alone with the bits of one-row products at `rows`."""
     patched = _rows(model, stock=False)
     assert patched["kernels"] == "batch-invariant"
     assert all(d == 0.0 for d in patched["diff"].values()), patched["diff"]
     if shutil.which(os.environ.get("CC", "cc")) is None:
         return
     lib = Path(kernels.info()["path"]).parent
-    (t,) = matmul_mismatches(model, "patched", lib, "1,2,3,4,5,6,7,8,16,33", "blk.3.ffn_up.weight", {"q4_1"})
+    (t,) = matmul_mismatches(model, "patched", lib, rows, tensor, {qtype})
     assert all(n == 0 for n in t["diff"].values()), t
     assert t["repacked"] == ("avx2" in (kernel_build.cpu_flags() or set())), t
 
@@ -166,14 +172,7 @@ def test_wide_q4_k_rows_are_bit_identical_to_one_row(tmp_path):
         pytest.skip(f"the batch-invariant kernels are not loaded here: {kernels.info()['why']}")
     model = write_q4_k_m(tmp_path / "tiny-wide-q4_k_m.gguf", n_layer=2, n_ff=8960)
     assert tensor_types(model)["blk.0.ffn_down.weight"] == "Q4_K"
-    patched = _rows(model, stock=False)
-    assert all(d == 0.0 for d in patched["diff"].values()), patched["diff"]
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        return
-    lib = Path(kernels.info()["path"]).parent
-    (t,) = matmul_mismatches(model, "patched", lib, "1,2,3,4,5,6,7,8,16", "blk.0.ffn_down.weight", {"q4_K"})
-    assert all(n == 0 for n in t["diff"].values()), t
-    assert t["repacked"] == ("avx2" in (kernel_build.cpu_flags() or set())), t
+    _exact_decodes_and_product(model, "1,2,3,4,5,6,7,8,16", "blk.0.ffn_down.weight", "q4_K")
 
 
 def _q4_1_blocks(model, name: str) -> tuple[np.ndarray, int, int]:
