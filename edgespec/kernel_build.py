@@ -144,16 +144,105 @@ def apply_patches(src: Path, chosen: list[Path] | None = None) -> None:
             raise BuildError("neither `patch` nor `git` is installed: cannot apply the kernel patches")
 
 
-def cmake_args(env: dict | None = None) -> list[str]:
+# A tiny program that uses AMX as ggml's AMX kernels do: ask Linux for the tile state, configure
+# the tiles, multiply one int8 tile pair. Exit 0 where AMX runs; a signal or another code where not.
+_AMX_PROBE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return 3;
+    static unsigned char cfg[64];
+    static int8_t a[16 * 64], b[16 * 64];
+    static int32_t c[16 * 16];
+    memset(a, 1, sizeof a);
+    memset(b, 1, sizeof b);
+    cfg[0] = 1;  /* palette 1; tiles 0-2: 16 rows of 64 bytes */
+    for (int t = 0; t < 3; t++) { cfg[16 + 2 * t] = 64; cfg[48 + t] = 16; }
+    _tile_loadconfig(cfg);
+    _tile_zero(0);
+    _tile_loadd(1, a, 64);
+    _tile_loadd(2, b, 64);
+    _tile_dpbssd(0, 1, 2);
+    _tile_stored(0, c, 64);
+    _tile_release();
+    return c[0] == 64 ? 0 : 4;
+}
+"""
+
+
+def amx_runs(cc: str | None = None) -> bool | None:
+    """Whether this machine runs AMX instructions (None: no compiler here knows them, so no build
+    uses them). Some virtual machines report AMX in cpuid and /proc/cpuinfo but trap it: a native
+    build of llama.cpp then dies of SIGILL in every model command."""
+    cc = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return None
+    with tempfile.TemporaryDirectory(prefix="edgespec-amx-") as tmp:
+        src, exe = Path(tmp) / "amx.c", Path(tmp) / "amx"
+        src.write_text(_AMX_PROBE)
+        try:
+            r = subprocess.run([cc, "-O1", "-mamx-tile", "-mamx-int8", str(src), "-o", str(exe)],
+                               capture_output=True, timeout=120)
+            if r.returncode != 0:
+                return None
+            return subprocess.run([str(exe)], capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+
+# ggml's options for the x86 extensions of a non-native build, and the /proc/cpuinfo flags each needs
+# (GGML_AVX512 compiles with AVX-512 F, CD, VL, DQ and BW). AMX has none here: it is what is left out.
+_GGML_ISA_OPTIONS = (
+    ("GGML_SSE42", ("sse4_2",)), ("GGML_AVX", ("avx",)), ("GGML_AVX2", ("avx2",)), ("GGML_BMI2", ("bmi2",)),
+    ("GGML_FMA", ("fma",)), ("GGML_F16C", ("f16c",)), ("GGML_AVX_VNNI", ("avx_vnni",)),
+    ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")),
+    ("GGML_AVX512_VBMI", ("avx512vbmi",)), ("GGML_AVX512_VNNI", ("avx512_vnni",)),
+    ("GGML_AVX512_BF16", ("avx512_bf16",)),
+)
+
+
+def without_amx(flags: set[str]) -> list[str]:
+    """CMake arguments for a build that uses what this CPU reports except AMX."""
+    out = ["-DGGML_NATIVE=OFF"]
+    avx512 = all(f in flags for f in dict(_GGML_ISA_OPTIONS)["GGML_AVX512"])
+    for option, need in _GGML_ISA_OPTIONS:
+        on = all(f in flags for f in need) and (avx512 or not option.startswith("GGML_AVX512_"))
+        out.append(f"-D{option}={'ON' if on else 'OFF'}")
+    return out + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+def _native(user: list[str]) -> bool:
+    """Whether these CMake arguments leave GGML_NATIVE on (llama.cpp's default) and say nothing of AMX."""
+    if any("AMX" in a.upper() for a in user):
+        return False
+    return not any(re.fullmatch(r"-DGGML_NATIVE(:BOOL)?=(OFF|off|0|FALSE|false|NO|no)", a) for a in user)
+
+
+def trapped_amx(user: list[str], flags: set[str] | None = None, probe=amx_runs) -> bool:
+    """Whether a native build would use AMX that this machine reports but does not run."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags or "amx_tile" not in flags or not _native(user):
+        return False
+    return probe() is False
+
+
+def cmake_args(env: dict | None = None, amx_check=trapped_amx) -> list[str]:
     """llama-cpp-python's build settings as CMake arguments: a Release build of shared libraries
     with the user's `CMAKE_ARGS` (GGML_NATIVE and the instruction sets, as llama-cpp-python took them),
     other backends off. The library's only search path is its own folder (`$ORIGIN`): CMake's
-    default build RPATH names the build's temporary folder, which anyone could recreate."""
+    default build RPATH names the build's temporary folder, which anyone could recreate.
+    On a machine that reports AMX but traps it, a native build becomes one for the same
+    extensions without AMX (`amx_check`)."""
     env = os.environ if env is None else env
     user = shlex.split(env.get("CMAKE_ARGS", ""))
     if any(re.fullmatch(r"-DGGML_BACKEND_DL(:BOOL)?=(ON|on|1|TRUE|true)", a) for a in user):
         raise BuildError("CMAKE_ARGS asks for GGML_BACKEND_DL (CPU variants loaded at run time): edgespec's "
                          "kernels replace a linked ggml-cpu only")
+    if platform.machine().lower() in ("x86_64", "amd64") and amx_check(user):
+        user = user + without_amx(cpu_flags() or set())
     return (["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
              "-DLLAMA_BUILD_COMMON=OFF", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"] + user
@@ -267,6 +356,9 @@ def build(dest: Path, log=lambda msg: None, jobs: int | None = None, patch_files
         raise BuildError("cmake is not installed (llama-cpp-python's own build needs it too)")
     started = time.time()
     args = cmake_args()
+    if "-DGGML_AMX_TILE=OFF" in args and "-DGGML_AMX_TILE=OFF" not in shlex.split(os.environ.get("CMAKE_ARGS", "")):
+        log("this CPU reports AMX but does not run it (a virtual machine's trap): building for its other "
+            "instruction sets without AMX")
     chosen = patches() if patch_files is None else list(patch_files)
     sdist = fetch_sdist(log)
     with tempfile.TemporaryDirectory(prefix="edgespec-kernels-") as tmp:

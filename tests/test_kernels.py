@@ -297,6 +297,50 @@ def test_cmake_args_follow_llama_cpp_pythons_build():
         kernel_build.cmake_args({"CMAKE_ARGS": "-DGGML_BACKEND_DL=ON"})
 
 
+
+SAPPHIRE = {"sse4_2", "avx", "avx2", "bmi2", "fma", "f16c", "avx_vnni", "avx512f", "avx512cd", "avx512vl", "avx512dq",
+            "avx512bw", "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16"}
+
+
+def test_a_trapped_amx_is_left_out_of_a_native_build(monkeypatch):
+    """A virtual machine that reports AMX but traps it: the kernels are built for the extensions it
+    reports without AMX (a native build died of SIGILL in every model command there). Where AMX runs,
+    where the CPU does not report it, and where CMAKE_ARGS chose the instruction sets, nothing changes."""
+    probed = []
+
+    def probe(result):
+        return lambda: probed.append(1) or result
+
+    assert kernel_build.trapped_amx([], SAPPHIRE, probe(False))
+    assert not kernel_build.trapped_amx([], SAPPHIRE, probe(True))
+    assert not kernel_build.trapped_amx([], SAPPHIRE, probe(None))  # no compiler knows AMX: no build uses it
+    assert len(probed) == 3
+    assert not kernel_build.trapped_amx([], SAPPHIRE - {"amx_tile"}, probe(False))
+    assert not kernel_build.trapped_amx(["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON"], SAPPHIRE, probe(False))
+    assert not kernel_build.trapped_amx(["-DGGML_AMX_TILE=OFF"], SAPPHIRE, probe(False))
+    assert len(probed) == 3  # the probe runs only where it decides something
+
+    monkeypatch.setattr(kernel_build, "cpu_flags", lambda: set(SAPPHIRE))
+    args = kernel_build.cmake_args({"CMAKE_ARGS": "-DGGML_RPC=ON"}, amx_check=lambda user: True)
+    for on in ("AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"):
+        assert f"-DGGML_{on}=ON" in args, on
+    for off in ("NATIVE", "AMX_TILE", "AMX_INT8", "AMX_BF16"):
+        assert f"-DGGML_{off}=OFF" in args, off
+    plain = kernel_build.without_amx({"sse4_2", "avx", "avx2", "fma", "f16c", "avx512_vnni"})  # no AVX-512 F
+    assert "-DGGML_AVX2=ON" in plain and "-DGGML_AVX512=OFF" in plain and "-DGGML_AVX512_VNNI=OFF" in plain
+
+
+@pytest.mark.skipif(kernel_build.unsupported() != "", reason="x86-64 Linux only")
+def test_the_amx_probe_tells_a_cpu_that_does_not_run_it():
+    """The probe compiles and runs AMX for real: where this CPU does not report AMX, it must say AMX
+    does not run (the instructions trap here, as on the virtual machines it is for)."""
+    flags = kernel_build.cpu_flags() or set()
+    result = kernel_build.amx_runs()
+    if "amx_tile" in flags:
+        assert result in (True, False, None)
+    else:
+        assert result in (False, None)  # None: no compiler here knows AMX
+
 def test_the_patches_say_why():
     """Each patch carries its reason and the commit it is made against, as ollama's do."""
     ps = kernel_build.patches()
