@@ -1,7 +1,11 @@
 """Chat as `edgespec chat` runs it: the default (`auto` with the reply history) against
 `--spec none`, on first-turn chat prompts, summaries of the prompt's text and two-turn revisions
 of the last reply, alternated, each conversation's last turn timed (`--no-ledger-arm`: a third arm,
-the default without the per-reply loss bound of CostModel.best_size).
+the default without the per-reply loss bound of CostModel.best_size; `--aa-arm`: a second plain arm,
+timed against the first, to show the timing noise). Each case also splits the default's ratio:
+`curve_ratio` (its verifications as the cost curve predicts them, what the gate and the loss bound
+see), `verify_ratio` (the verifications as timed) and `other_share` (the rest of its time: drafting,
+the draft model's catch-up, Python).
 
     python scripts/conv_bench.py -m qwen2.5-coder-1.5b-instruct -t 2 --lock /tmp/edgespec-cpu.lock \\
         --prompts ../shared/bench/prompts.jsonl --json out.json
@@ -68,11 +72,36 @@ def run(engine: Engine, method: str, turns: list[str], n: int, history: bool) ->
         Path(engine.cfg.history).unlink(missing_ok=True)
     s = ChatSession(engine, method, SamplingConfig(temp=0.0), n)
     r = None
-    for t in turns:
-        r = s.send(t)
+    for i, t in enumerate(turns):
+        steps = []  # the last turn's verifications: (rows, cached tokens, seconds, the curve's seconds)
+        cost = engine.cost
+        observe = cost.observe
+        if i == len(turns) - 1:
+            def record(k, n_past, seconds, predicted=None):
+                steps.append((k, n_past, seconds, cost.t(k, n_past)))
+                observe(k, n_past, seconds, predicted)
+            cost.observe = record
+        try:
+            r = s.send(t)
+        finally:
+            cost.__dict__.pop("observe", None)
     st = r.stats
     return r.tokens, st.tokens_per_s, {"by_source": st.by_source, "mal": round(st.mean_accepted_length, 3),
-                                       "tokens": st.n_generated}
+                                       "tokens": st.n_generated, "steps": steps, "t_gen": st.t_gen,
+                                       "t_draft": st.t_draft}
+
+
+def split(plain: dict, spec: dict) -> dict:
+    """Where the default's ratio came from, per token: its verifications' time as the cost curve
+    predicted it (what the gate and the loss bound saw), as measured, and the rest of its time
+    (drafting, the draft model's catch-up, Python), each against the plain run's."""
+    def per_token(info, i):
+        return sum(s[i] for s in info["steps"]) / max(1, info["tokens"])
+    out = {"curve_ratio": per_token(plain, 3) / per_token(spec, 3) if spec["steps"] else float("nan"),
+           "verify_ratio": per_token(plain, 2) / per_token(spec, 2) if spec["steps"] else float("nan"),
+           "other_share": 1 - sum(s[2] for s in spec["steps"]) / spec["t_gen"] if spec["t_gen"] else float("nan"),
+           "plain_other_share": (1 - sum(s[2] for s in plain["steps"]) / plain["t_gen"]) if plain["t_gen"] else float("nan")}
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 @contextlib.contextmanager
@@ -101,6 +130,8 @@ def main() -> None:
     ap.add_argument("--lock", default=None, metavar="FILE", help="hold this lock (flock) during each case")
     ap.add_argument("--no-ledger-arm", action="store_true",
                     help="a third arm: the default without its per-reply loss bound (costmodel.LOSS_SHARE infinite)")
+    ap.add_argument("--aa-arm", action="store_true",
+                    help="a plain arm timed against the plain arm (A/A): how far the figure moves with nothing changed")
     ap.add_argument("--loss-share", type=float, default=None,
                     help="the default arm's costmodel.LOSS_SHARE (default: the module's)")
     a = ap.parse_args()
@@ -129,16 +160,24 @@ def main() -> None:
             keep = set(a.only.split(","))
             todo = [c for c in todo if c[0] in keep or c[1] in keep]
         for cid, grp, turns in todo:
-            ratios, same, info, extra = [], True, {}, {}
+            ratios, same, info, extra, parts = [], True, {}, {}, []
             with _locked(a.lock):
                 for i in range(a.repeats):
-                    plain, r0, _ = run(engine, "none", turns, a.n, False)
+                    if a.aa_arm and i % 2:  # the second plain run first every other repeat
+                        plain2, r02, _ = run(engine, "none", turns, a.n, False)
+                    plain, r0, info0 = run(engine, "none", turns, a.n, False)
+                    if a.aa_arm and not i % 2:
+                        plain2, r02, _ = run(engine, "none", turns, a.n, False)
+                    if a.aa_arm:
+                        same &= plain == plain2
+                        extra.setdefault("aa_ratios", []).append(round(r02 / r0 if r0 else float("nan"), 3))
                     # with the third arm, the two `auto` arms swap places every other repeat
                     for arm in (("auto", "no ledger") if i % 2 == 0 or not a.no_ledger_arm else ("no ledger", "auto")):
                         if arm == "auto":
                             spec, r1, info = run(engine, "auto", turns, a.n, True)
                             same &= plain == spec
                             ratios.append(r1 / r0 if r0 else float("nan"))
+                            parts.append(split(info0, info))
                         elif a.no_ledger_arm:
                             costmodel.LOSS_SHARE = math.inf
                             try:
@@ -148,10 +187,14 @@ def main() -> None:
                             same &= plain == spec2
                             extra.setdefault("no_ledger_ratios", []).append(round(r2 / r0 if r0 else float("nan"), 3))
                             extra["no_ledger_by_source"] = info2["by_source"]
-            if extra:
+            if "no_ledger_ratios" in extra:
                 extra["no_ledger_ratio"] = round(statistics.median(extra["no_ledger_ratios"]), 3)
+            if "aa_ratios" in extra:
+                extra["aa_ratio"] = round(statistics.median(extra["aa_ratios"]), 3)
+            info = {k: v for k, v in info.items() if k not in ("steps", "t_gen", "t_draft")}
+            parts = {k: round(statistics.median(p[k] for p in parts), 3) for k in parts[0]} if parts else {}
             row = {"id": cid, "group": grp, "ratio": round(statistics.median(ratios), 3),
-                   "ratios": [round(x, 3) for x in ratios], "identical": same, **info, **extra}
+                   "ratios": [round(x, 3) for x in ratios], "identical": same, **info, **parts, **extra}
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -164,6 +207,17 @@ def main() -> None:
         low = min(rs, key=lambda r: r["ratio"])
         print(f"| {grp} | {len(rs)} | {g:.2f}x | {low['ratio']:.2f}x ({low['id']}) | "
               f"{sum(r['identical'] for r in rs)}/{len(rs)} |")
+        if all("curve_ratio" in r for r in rs):
+            for key, what in (("curve_ratio", "by the cost curve"), ("verify_ratio", "verification time only")):
+                g3 = math.exp(statistics.mean(math.log(r[key]) for r in rs))
+                low3 = min(rs, key=lambda r: r[key])
+                print(f"| {grp}, {what} | {len(rs)} | {g3:.2f}x | {low3[key]:.2f}x ({low3['id']}) | |")
+        if all("aa_ratio" in r for r in rs):
+            g4 = math.exp(statistics.mean(math.log(r["aa_ratio"]) for r in rs))
+            low4 = min(rs, key=lambda r: r["aa_ratio"])
+            hi4 = max(rs, key=lambda r: r["aa_ratio"])
+            print(f"| {grp}, plain / plain (A/A) | {len(rs)} | {g4:.2f}x | {low4['aa_ratio']:.2f}x ({low4['id']}); "
+                  f"highest {hi4['aa_ratio']:.2f}x | |")
         if all("no_ledger_ratio" in r for r in rs):
             g2 = math.exp(statistics.mean(math.log(r["no_ledger_ratio"]) for r in rs))
             low2 = min(rs, key=lambda r: r["no_ledger_ratio"])
