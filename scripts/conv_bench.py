@@ -1,7 +1,8 @@
 """Chat as `edgespec chat` runs it: the default (`auto` with the reply history) against
 `--spec none`, on first-turn chat prompts, summaries of the prompt's text and two-turn revisions
 of the last reply, alternated, each conversation's last turn timed (`--no-ledger-arm`: a third arm,
-the default without the per-reply loss bound of CostModel.best_size; `--aa-arm`: a second plain arm,
+the default without the per-reply loss bound of CostModel.best_size; `--uncharged-arm`: a third
+arm, the bound's ledger blind to drafting time as before sequential.CHARGE_DRAFTING; `--aa-arm`: a second plain arm,
 timed against the first, to show the timing noise). Each case also splits the default's ratio:
 `curve_ratio` (its verifications as the cost curve predicts them, what the gate and the loss bound
 see), `verify_ratio` (the verifications as timed) and `other_share` (the rest of its time: drafting,
@@ -36,6 +37,7 @@ from pathlib import Path
 from edgespec import costmodel
 from edgespec.engine import Engine, EngineConfig
 from edgespec.frontends.session import ChatSession
+from edgespec.schedulers import sequential
 from edgespec.sampling import SamplingConfig
 
 REVISIONS = [
@@ -128,6 +130,9 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated case ids or groups (`code`: the code edits, not run otherwise)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--lock", default=None, metavar="FILE", help="hold this lock (flock) during each case")
+    ap.add_argument("--uncharged-arm", action="store_true",
+                    help="a third arm: the default with its ledger blind to drafting time (sequential.CHARGE_DRAFTING "
+                         "False); reported in the no_ledger_* fields")
     ap.add_argument("--no-ledger-arm", action="store_true",
                     help="a third arm: the default without its per-reply loss bound (costmodel.LOSS_SHARE infinite)")
     ap.add_argument("--aa-arm", action="store_true",
@@ -172,21 +177,27 @@ def main() -> None:
                         same &= plain == plain2
                         extra.setdefault("aa_ratios", []).append(round(r02 / r0 if r0 else float("nan"), 3))
                     # with the third arm, the two `auto` arms swap places every other repeat
-                    for arm in (("auto", "no ledger") if i % 2 == 0 or not a.no_ledger_arm else ("no ledger", "auto")):
+                    third = a.no_ledger_arm or a.uncharged_arm
+                    for arm in (("auto", "third") if i % 2 == 0 or not third else ("third", "auto")):
                         if arm == "auto":
                             spec, r1, info = run(engine, "auto", turns, a.n, True)
                             same &= plain == spec
                             ratios.append(r1 / r0 if r0 else float("nan"))
                             parts.append(split(info0, info))
-                        elif a.no_ledger_arm:
-                            costmodel.LOSS_SHARE = math.inf
+                        elif third:
+                            if a.no_ledger_arm:
+                                costmodel.LOSS_SHARE = math.inf
+                            else:
+                                sequential.CHARGE_DRAFTING = False
                             try:
                                 spec2, r2, info2 = run(engine, "auto", turns, a.n, True)
                             finally:
                                 costmodel.LOSS_SHARE = share
+                                sequential.CHARGE_DRAFTING = True
                             same &= plain == spec2
                             extra.setdefault("no_ledger_ratios", []).append(round(r2 / r0 if r0 else float("nan"), 3))
                             extra["no_ledger_by_source"] = info2["by_source"]
+                            extra.setdefault("no_ledger_other_shares", []).append(split(info0, info2)["other_share"])
             if "no_ledger_ratios" in extra:
                 extra["no_ledger_ratio"] = round(statistics.median(extra["no_ledger_ratios"]), 3)
             if "aa_ratios" in extra:
@@ -221,7 +232,7 @@ def main() -> None:
         if all("no_ledger_ratio" in r for r in rs):
             g2 = math.exp(statistics.mean(math.log(r["no_ledger_ratio"]) for r in rs))
             low2 = min(rs, key=lambda r: r["no_ledger_ratio"])
-            print(f"| {grp}, no ledger | {len(rs)} | {g2:.2f}x | {low2['no_ledger_ratio']:.2f}x ({low2['id']}) | |")
+            print(f"| {grp}, {'drafting uncharged' if a.uncharged_arm else 'no ledger'} | {len(rs)} | {g2:.2f}x | {low2['no_ledger_ratio']:.2f}x ({low2['id']}) | |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

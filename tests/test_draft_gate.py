@@ -111,3 +111,50 @@ def test_drafts_never_kept_cost_a_reply_at_most_its_loss_share(smol):
         smol.cost = saved
     assert list(g.tokens) == list(ref.tokens) and g.stats.n_accept == 0
     assert 0 < g.stats.n_drafted <= LOSS_SHARE * len(g.tokens) / 0.12 + 2, g.stats.n_drafted
+
+
+def test_drafting_time_counts_against_a_replys_loss_share(smol):
+    """The loss bound charges what drafting took, as measured: a drafter that says a draft costs a
+    tenth of a step but takes a whole one (a draft model's catch-up weighed as spread over later
+    steps it did not draft), every draft wrong, on a flat curve (rows free): with its time charged
+    it drafts only while the reply carries the loss; blind to it (as before), on every step.
+    Output identical to plain either way."""
+    import time
+
+    from edgespec.costmodel import LOSS_SHARE
+    from edgespec.draft import Draft
+    from edgespec.drafters.base import Candidates, NullDrafter
+    from edgespec.schedulers import sequential
+
+    toks = smol.prompt_tokens(PROMPTS[0])
+    n = 48
+    ref = smol.generate(toks, n, GREEDY).run()
+    step = 0.01
+
+    class Slow(NullDrafter):
+        name = "slow"
+
+        def propose(self, context, budget):
+            i = len(context) - len(toks)
+            bad = (ref.tokens[i] + 1) % 1000 if i < len(ref.tokens) else 5
+
+            def take(k):
+                time.sleep(step)  # a whole step's drafting, declared as a tenth
+                return Draft.chain([bad] * k)
+            return Candidates([0.5], take, per_node=0.1 * step)
+
+    saved = smol.cost
+    smol.cost = CostModel(KS, tuple(step for _ in KS), online=False, max_exact_rows=saved.max_exact_rows)
+    try:
+        charged = smol.generate(toks, n, GREEDY, Slow()).run()
+        sequential.CHARGE_DRAFTING = False
+        try:
+            blind = smol.generate(toks, n, GREEDY, Slow()).run()
+        finally:
+            sequential.CHARGE_DRAFTING = True
+    finally:
+        smol.cost = saved
+    for g in (charged, blind):
+        assert list(g.tokens) == list(ref.tokens) and g.stats.n_accept == 0
+    assert blind.stats.n_draft_steps >= len(blind.tokens) - 4, blind.stats.n_draft_steps
+    assert 0 < charged.stats.n_draft_steps <= LOSS_SHARE * len(charged.tokens) + 3, charged.stats.n_draft_steps

@@ -20,6 +20,10 @@ from ..events import StepEvent
 from ..lifecycle import Lifecycle
 from ..verify import verify_step
 
+# The loss bound's ledger charges the measured drafting time of steps that drafted (False: the
+# curve's row costs only, as before; scripts/conv_bench.py's --uncharged-arm measures the difference).
+CHARGE_DRAFTING = True
+
 
 @dataclass
 class Generation(Lifecycle):
@@ -58,10 +62,13 @@ class Generation(Lifecycle):
             n_seq_max, cost, n_min = ctx.cfg.n_seq_max, eng.cost, eng.cfg.draft_n_min
             propose, accept = self.drafter.propose, self.drafter.accept
             # against plain decoding, in plain steps: tokens committed less the steps their rows
-            # cost (predicted by the curve), so that bets that did not pay cannot put a reply more
-            # than LOSS_SHARE behind plain (see CostModel.best_size). A draft model's own time (its
-            # catch-up on what others drafted above all) is left to `auto`'s gates, which measure
-            # it: charged here, one catch-up would stop every other member's bets for the reply.
+            # cost (predicted by the curve) and the drafting time of the steps that drafted (as
+            # measured: a draft model's catch-up on what others drafted and its decodes, which
+            # the curve does not see), so that bets that did not pay cannot put a reply more than
+            # LOSS_SHARE behind plain (see CostModel.best_size). A 1.5B chat reply lost 15% of its
+            # time to a 0.5B draft model's catch-ups and decodes for 13 kept tokens while its
+            # verifications alone ran 1.13x plain (docs/laptop.md); `auto`'s gates, which also
+            # measure it, judge a member over 24 askings and across replies, too late for one.
             ledger, n_tokens = 0.0, 1
             while True:
                 ev, done = self._commit(step_no, draft, accepted, committed, t_draft, t_verify,
@@ -105,6 +112,8 @@ class Generation(Lifecycle):
                 if draft.tokens:  # a plain step is even with plain decoding
                     ledger += len(committed) - 1 - cost.step_loss(budget.fixed_rows + len(draft), budget.fixed_rows,
                                                                   n_before)
+                    if CHARGE_DRAFTING:
+                        ledger -= t_draft / cost.t(budget.fixed_rows, n_before)
                 accept(draft, accepted, committed)
         except GeneratorExit:  # stopped by the reader: the cache is consistent
             raise
