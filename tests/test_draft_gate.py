@@ -113,10 +113,10 @@ def test_drafts_never_kept_cost_a_reply_at_most_its_loss_share(smol):
     assert 0 < g.stats.n_drafted <= LOSS_SHARE * len(g.tokens) / 0.12 + 2, g.stats.n_drafted
 
 
-def test_drafting_time_counts_against_a_replys_loss_share(smol):
-    """The loss bound charges what drafting took, as measured: a drafter that says a draft costs a
-    tenth of a step but takes a whole one (a draft model's catch-up weighed as spread over later
-    steps it did not draft), every draft wrong, on a flat curve (rows free): with its time charged
+def test_drafting_time_counts_against_a_replys_loss_share(smol, monkeypatch):
+    """The loss bound charges what a draft model's drafting took, as measured: a drafter charged as
+    one that says a draft costs a tenth of a step but takes a whole one (a draft model's catch-up
+    weighed as spread over later steps it did not draft), every draft wrong, on a flat curve (rows free): with its time charged
     it drafts only while the reply carries the loss; blind to it (as before), on every step.
     Output identical to plain either way."""
     import time
@@ -143,6 +143,8 @@ def test_drafting_time_counts_against_a_replys_loss_share(smol):
                 return Draft.chain([bad] * k)
             return Candidates([0.5], take, per_node=0.1 * step)
 
+    assert "draft" in sequential.CHARGED_SOURCES  # the draft model's time is charged
+    monkeypatch.setattr(sequential, "CHARGED_SOURCES", sequential.CHARGED_SOURCES | {"slow"})
     saved = smol.cost
     smol.cost = CostModel(KS, tuple(step for _ in KS), online=False, max_exact_rows=saved.max_exact_rows)
     try:

@@ -20,9 +20,13 @@ from ..events import StepEvent
 from ..lifecycle import Lifecycle
 from ..verify import verify_step
 
-# The loss bound's ledger charges the measured drafting time of steps that drafted (False: the
-# curve's row costs only, as before; scripts/conv_bench.py's --uncharged-arm measures the difference).
+# The loss bound's ledger charges the measured drafting time of steps that a draft model drafted
+# (False: the curve's row costs only, as before; scripts/conv_bench.py's --uncharged-arm measures
+# the difference). Only the draft model's: its catch-ups and decodes cost a large, uneven share of a
+# step the curve does not see; the text drafters' lookups cost a small, steady one (0.3-0.6% of a
+# 1.5B step), and charging their measured time would make their sizes depend on timing noise.
 CHARGE_DRAFTING = True
+CHARGED_SOURCES = frozenset({"draft"})
 
 
 @dataclass
@@ -62,8 +66,8 @@ class Generation(Lifecycle):
             n_seq_max, cost, n_min = ctx.cfg.n_seq_max, eng.cost, eng.cfg.draft_n_min
             propose, accept = self.drafter.propose, self.drafter.accept
             # against plain decoding, in plain steps: tokens committed less the steps their rows
-            # cost (predicted by the curve) and the drafting time of the steps that drafted (as
-            # measured: a draft model's catch-up on what others drafted and its decodes, which
+            # cost (predicted by the curve) and the drafting time of the steps a draft model
+            # drafted (as measured: its catch-up on what others drafted and its decodes, which
             # the curve does not see), so that bets that did not pay cannot put a reply more than
             # LOSS_SHARE behind plain (see CostModel.best_size). A 1.5B chat reply lost 15% of its
             # time to a 0.5B draft model's catch-ups and decodes for 13 kept tokens while its
@@ -112,7 +116,7 @@ class Generation(Lifecycle):
                 if draft.tokens:  # a plain step is even with plain decoding
                     ledger += len(committed) - 1 - cost.step_loss(budget.fixed_rows + len(draft), budget.fixed_rows,
                                                                   n_before)
-                    if CHARGE_DRAFTING:
+                    if CHARGE_DRAFTING and (draft.source or self.drafter.name) in CHARGED_SOURCES:
                         ledger -= t_draft / cost.t(budget.fixed_rows, n_before)
                 accept(draft, accepted, committed)
         except GeneratorExit:  # stopped by the reader: the cache is consistent
