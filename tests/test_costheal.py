@@ -188,6 +188,13 @@ def _run(env, n, prompt=LONG):
     return json.loads(r.stdout)
 
 
+# Two quiet measurements of SmolLM2's curve on a shared 2-core machine disagree on its shape by up
+# to 1.55x: 8 rows at n_past 0 read 2.7-3.5x one row over six `edgespec run`s in a row, 3.1-4.8x over
+# three `doctor --remeasure`s, and CI's quiet run 4.25x against its healed one's 2.76x (a slow spell
+# slows one-row decodes more than eight-row ones). So the poison is 4x and a healed curve's shape is
+# held to within 2x of the clean one's: nearer to it than to the poisoned, by a margin noise keeps.
+POISON, SHAPE_NOISE = 4.0, 2.0
+
 PS = (0.99, 0.95, 0.9, 0.8)  # drafts' per-token acceptance: path confidences p, p^2, ...
 
 
@@ -231,14 +238,14 @@ def quiet_run(tmp_path_factory):
 @pytest.mark.slow
 def test_a_poisoned_curve_heals_within_two_runs(tmp_path, quiet_run):
     """Each `edgespec run` a process of its own, as users run it. The curve a quiet run measured
-    (run 1, `quiet_run`) is poisoned as a busy machine leaves it (every k >= 2 2.5x too dear,
+    (run 1, `quiet_run`) is poisoned as a busy machine leaves it (every k >= 2 4x too dear,
     attention 10x). Run 2 generates with it and writes back what its online correction learned;
     run 3 loads it, finds it far off and measures it again before generating: its drafting sizes
     are those of a clean curve again."""
     env, costs = _cache(tmp_path, "cache")
     _, key, clean_rec = quiet_run
     clean = CostModel.from_dict(clean_rec)
-    poisoned = dict(clean_rec, ms=[ms * (2.5 if k >= 2 else 1.0) for k, ms in zip(clean_rec["k"], clean_rec["ms"])],
+    poisoned = dict(clean_rec, ms=[ms * (POISON if k >= 2 else 1.0) for k, ms in zip(clean_rec["k"], clean_rec["ms"])],
                     attn_us_per_row_per_token=clean_rec["attn_us_per_row_per_token"] * 10,
                     attn0_us_per_token=clean_rec["attn0_us_per_token"] * 10, cpu_share=1.0, online={})
     costs.write_text(json.dumps({key: poisoned}))
@@ -258,7 +265,7 @@ def test_a_poisoned_curve_heals_within_two_runs(tmp_path, quiet_run):
     for n_past in (0, 600):  # the shape of a clean curve, within what noise on a shared machine moves
         for k in (2, 4, 8, 16):
             h, c = (m.t(k, n_past) / m.t(1, n_past) for m in (healed, clean))
-            assert abs(math.log(h / c)) < math.log(1.5), (n_past, k, h, c)
+            assert abs(math.log(h / c)) < math.log(SHAPE_NOISE) < math.log(POISON), (n_past, k, h, c, clean_rec["cpu_share"])
     h, c, b = (m.attn0 + 8 * m.attn for m in (healed, clean, bad))  # attention of 8 rows per cached token
     assert abs(math.log(h / c)) < math.log(2) < abs(math.log(b / c)), (h, c, b)
     # the sizes the healed curve drafts pay as the clean curve's would (sizes jump at the margins:
@@ -300,7 +307,9 @@ def test_a_curve_measured_busy_drafts_from_the_first_quiet_run(tmp_path, quiet_r
     for st in runs:
         assert st["n_generated"] == quiet["n_generated"]
         assert st["n_drafted"] > 0 and st["n_accept"] > 0, st
-        # the same greedy output with as many tokens from drafts, within 10%, as on a quiet
-        # curve, in about as few target decodes (run to run, sizes at the margins move the steps)
-        assert st["n_accept"] >= 0.9 * quiet["n_accept"], (st, quiet)
-        assert st["n_steps"] <= 1.25 * quiet["n_steps"], (st, quiet)
+        # the same greedy output with about as many tokens from drafts as on a quiet curve, in
+        # about as few target decodes: run to run, quiet curves' shapes move (above, SHAPE_NOISE)
+        # and sizes at the margins with them (six quiet runs in a row here kept 50-53 draft
+        # tokens in 43-46 steps, CI's quiet run 61)
+        assert st["n_accept"] >= 0.8 * quiet["n_accept"], (st, quiet)
+        assert st["n_steps"] <= 1.35 * quiet["n_steps"], (st, quiet)
