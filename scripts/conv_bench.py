@@ -2,7 +2,8 @@
 `--spec none`, on first-turn chat prompts, summaries of the prompt's text and two-turn revisions
 of the last reply, alternated, each conversation's last turn timed (`--no-ledger-arm`: a third arm,
 the default without the per-reply loss bound of CostModel.best_size; `--uncharged-arm`: a third
-arm, the bound's ledger blind to drafting time as before sequential.CHARGE_DRAFTING; `--aa-arm`: a second plain arm,
+arm, the bound's ledger blind to drafting time as before sequential.CHARGE_DRAFTING; `--unweighed-arm`: a third
+arm, the draft model's gate blind to its runs that draft nothing (draft_model.WEIGH_HITS); `--aa-arm`: a second plain arm,
 timed against the first, to show the timing noise). Each case also splits the default's ratio:
 `curve_ratio` (its verifications as the cost curve predicts them, what the gate and the loss bound
 see), `verify_ratio` (the verifications as timed) and `other_share` (the rest of its time: drafting,
@@ -35,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 from edgespec import costmodel
+from edgespec.drafters import draft_model
 from edgespec.engine import Engine, EngineConfig
 from edgespec.frontends.session import ChatSession
 from edgespec.schedulers import sequential
@@ -133,6 +135,9 @@ def main() -> None:
     ap.add_argument("--uncharged-arm", action="store_true",
                     help="a third arm: the default with its ledger blind to drafting time (sequential.CHARGE_DRAFTING "
                          "False); reported in the no_ledger_* fields")
+    ap.add_argument("--unweighed-arm", action="store_true",
+                    help="a third arm: the default with the draft model's gate blind to the share of its runs that "
+                         "drafted (draft_model.WEIGH_HITS False); reported in the no_ledger_* fields")
     ap.add_argument("--no-ledger-arm", action="store_true",
                     help="a third arm: the default without its per-reply loss bound (costmodel.LOSS_SHARE infinite)")
     ap.add_argument("--aa-arm", action="store_true",
@@ -177,7 +182,7 @@ def main() -> None:
                         same &= plain == plain2
                         extra.setdefault("aa_ratios", []).append(round(r02 / r0 if r0 else float("nan"), 3))
                     # with the third arm, the two `auto` arms swap places every other repeat
-                    third = a.no_ledger_arm or a.uncharged_arm
+                    third = a.no_ledger_arm or a.uncharged_arm or a.unweighed_arm
                     for arm in (("auto", "third") if i % 2 == 0 or not third else ("third", "auto")):
                         if arm == "auto":
                             spec, r1, info = run(engine, "auto", turns, a.n, True)
@@ -187,13 +192,16 @@ def main() -> None:
                         elif third:
                             if a.no_ledger_arm:
                                 costmodel.LOSS_SHARE = math.inf
-                            else:
+                            elif a.uncharged_arm:
                                 sequential.CHARGE_DRAFTING = False
+                            else:
+                                draft_model.WEIGH_HITS = False
                             try:
                                 spec2, r2, info2 = run(engine, "auto", turns, a.n, True)
                             finally:
                                 costmodel.LOSS_SHARE = share
                                 sequential.CHARGE_DRAFTING = True
+                                draft_model.WEIGH_HITS = True
                             same &= plain == spec2
                             extra.setdefault("no_ledger_ratios", []).append(round(r2 / r0 if r0 else float("nan"), 3))
                             extra["no_ledger_by_source"] = info2["by_source"]
@@ -232,7 +240,7 @@ def main() -> None:
         if all("no_ledger_ratio" in r for r in rs):
             g2 = math.exp(statistics.mean(math.log(r["no_ledger_ratio"]) for r in rs))
             low2 = min(rs, key=lambda r: r["no_ledger_ratio"])
-            print(f"| {grp}, {'drafting uncharged' if a.uncharged_arm else 'no ledger'} | {len(rs)} | {g2:.2f}x | {low2['no_ledger_ratio']:.2f}x ({low2['id']}) | |")
+            print(f"| {grp}, {'drafting uncharged' if a.uncharged_arm else 'runs that draft nothing unweighed' if a.unweighed_arm else 'no ledger'} | {len(rs)} | {g2:.2f}x | {low2['no_ledger_ratio']:.2f}x ({low2['id']}) | |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -160,3 +160,42 @@ def test_drafting_time_counts_against_a_replys_loss_share(smol, monkeypatch):
         assert list(g.tokens) == list(ref.tokens) and g.stats.n_accept == 0
     assert blind.stats.n_draft_steps >= len(blind.tokens) - 4, blind.stats.n_draft_steps
     assert 0 < charged.stats.n_draft_steps <= LOSS_SHARE * len(charged.tokens) + 3, charged.stats.n_draft_steps
+
+
+def test_runs_that_draft_nothing_are_weighed_before_the_draft_model_runs(pair, monkeypatch):
+    """The gate passes on the confidence of recent drafts; the chain then decides token by token
+    and may draft nothing, after the catch-up and a decode were paid. Under --draft-p-min above any
+    confidence every run drafts nothing: weighed by the share of runs that drafted, the draft model
+    soon stops running (a probe now and then); blind to it, it runs on nearly every step. Output
+    identical to plain decoding either way, nothing drafted."""
+    import dataclasses
+
+    from edgespec.drafters import draft_model
+
+    plain, _ = _run(pair, "none", PROMPTS[1], 64)
+    assert len(plain) == 64
+    pair.cost = flat(0.05, pair.cost.max_exact_rows)  # rows free: the gate passes on any confidence
+    cfg = pair.cfg
+    pair.cfg = dataclasses.replace(cfg, draft_p_min=1.01)
+    syncs = []
+    sync = pair.draft_kv.sync
+    monkeypatch.setattr(pair.draft_kv, "sync", lambda ctx: syncs.append(len(ctx)) or sync(ctx))
+    runs = {}
+    try:
+        for weigh in (False, True):
+            monkeypatch.setattr(draft_model, "WEIGH_HITS", weigh)
+            pair.side.release(_key(pair))
+            # a new user's hit rate (1, the prior), and a catch-up of the prompt priced free, so
+            # that the first step runs the draft model (a busy machine's timed catch-ups would
+            # keep it from ever running, and this test from seeing what its runs teach)
+            st = pair.side.keep(_key(pair), lambda: KeptDraftState(pair.cost, _key(pair), pair.draft_cost.t(1), 0.0)).value
+            st.hit, st.t_read, st.t_token = 1.0, 0.0, pair.draft_cost.t(1)
+            syncs.clear()
+            out, st = _run(pair, "draft", PROMPTS[1], 64)
+            assert out == plain and st.n_drafted == 0
+            runs[weigh] = len(syncs)
+        assert pair.side[_key(pair)].value.hit < 0.5
+    finally:
+        pair.cfg = cfg
+    assert runs[False] >= len(plain) - 4, runs
+    assert runs[True] <= runs[False] / 2, runs

@@ -44,6 +44,13 @@ PROBE_SHARE = 0.02  # what probing may cost, as a share of the plain steps since
 # A catch-up serves the steps after it too (the draft model then reads only what each step
 # commits): its time is weighed as spread over this many steps of drafting.
 CATCH_UP_STEPS = 16
+# Its gate passes on the confidence of its recent drafts; the chain then decides token by token
+# and may draft nothing (the next token's confidence too low, or under --draft-p-min), after the
+# catch-up and a decode were paid. So the gate weighs those by the learned share of its runs that
+# drafted (`DraftState.hit`, an average over about 1 / HIT_RATE runs, never taken below HIT_FLOOR).
+WEIGH_HITS = True
+HIT_RATE = 0.1
+HIT_FLOOR = 0.05
 
 
 @dataclass
@@ -61,10 +68,11 @@ class DraftState:
     t_read: float = 0.0  # seconds per token read in a catch-up (estimated at load, then EMA)
     probe_every: int = 32
     skipped: int = 0
+    hit: float = 1.0  # the share of its runs (after the gate or as a probe) that drafted a token
 
     def to_dict(self) -> dict:
         return {"est": float(self.calib.est[0]), "acc": float(self.calib.acc[0]), "mean_conf": self.mean_conf,
-                "t_token": self.t_token, "t_read": self.t_read, "probe_every": self.probe_every}
+                "t_token": self.t_token, "t_read": self.t_read, "probe_every": self.probe_every, "hit": self.hit}
 
     @classmethod
     def from_dict(cls, d: dict | None, t_token: float, t_read: float) -> "DraftState":
@@ -79,6 +87,7 @@ class DraftState:
                 s.t_token = float(d.get("t_token") or t_token)
                 s.t_read = float(d.get("t_read") or t_read)
                 s.probe_every = min(1024, max(32, int(d.get("probe_every", 32))))
+                s.hit = min(1.0, max(0.0, float(d.get("hit", 1.0))))
         except (KeyError, TypeError, ValueError):
             return cls(t_token=t_token, t_read=t_read)  # a record of another version: learn again
         return s
@@ -137,7 +146,8 @@ class DraftModelDrafter(TokenTimed):
         if limit <= 0 or limit < self.n_min:
             return Draft()
         st = self.state
-        if self.n_min == 0 and st.t_token > 0:
+        gated = self.n_min == 0 and st.t_token > 0
+        if gated:
             # Running the draft model costs even when its draft is then dropped: reading what was
             # committed since it last ran (the prompt, the first time; a stretch another drafter
             # drafted, in `auto`; weighed as spread over the CATCH_UP_STEPS steps it serves), then a
@@ -146,7 +156,8 @@ class DraftModelDrafter(TokenTimed):
             # not while a draft as good as its recent ones (its confidence, calibrated against
             # what the target accepted, kept across processes) would not; and a probe now and then
             # (its confidence is learned only from what it drafts) only while probes cost at most
-            # PROBE_SHARE of the plain steps between them.
+            # PROBE_SHARE of the plain steps between them. A run that then drafts nothing still
+            # paid its catch-up and a decode: weighed by the share of runs that drafted (WEIGH_HITS).
             behind = len(context) - min(self.kv.common_prefix(context), len(context) - 1)
             catch_up = max(0, behind - 1) * st.t_read
             fee = catch_up / CATCH_UP_STEPS  # a step's share of it
@@ -154,6 +165,11 @@ class DraftModelDrafter(TokenTimed):
             if budget.gate([best ** i for i in range(1, limit + 1)], st.t_token, fee) == 0:
                 return Draft()
             a = min(0.99, self.calib.factor(1) * st.mean_conf)
+            if WEIGH_HITS:
+                # a run drafts with chance h: it pays if h x (the draft's worth) exceeds
+                # (1 - h) x (what a run that drafts nothing costs: the fee and the one decode)
+                h = max(HIT_FLOOR, st.hit)
+                fee = (fee + (1.0 - h) * st.t_token) / h
             if budget.gate([a ** i for i in range(1, limit + 1)], st.t_token, fee) == 0:
                 st.skipped += 1
                 plain = budget.cost.t(1, budget.n_past)
@@ -202,6 +218,8 @@ class DraftModelDrafter(TokenTimed):
             return True
 
         tokens, est, _ = self.gated_chain(budget, limit, self.n_min, self.p_min, top, draw, advance)
+        if gated:
+            st.hit += HIT_RATE * ((1.0 if tokens else 0.0) - st.hit)
         if len(tokens) < max(1, self.n_min):
             return Draft()
         return Draft.chain(tokens, probs or None, self.name, est)
