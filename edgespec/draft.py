@@ -23,6 +23,9 @@ class Draft:
     source: str = ""
     # The drafter's raw chance that node i is accepted given its parent was, before calibration.
     est: list[float] | None = None
+    # Seconds of this step's drafting that serve later steps too (the part of a draft model's
+    # catch-up its gate weighs as spread over them): the loss bound charges the rest now.
+    spread: float = 0.0
 
     @classmethod
     def chain(cls, tokens: list[int], probs: list[np.ndarray] | None = None, source: str = "",

@@ -3,7 +3,9 @@
 of the last reply, alternated, each conversation's last turn timed (`--no-ledger-arm`: a third arm,
 the default without the per-reply loss bound of CostModel.best_size; `--uncharged-arm`: a third
 arm, the bound's ledger blind to drafting time as before sequential.CHARGE_DRAFTING; `--unweighed-arm`: a third
-arm, the draft model's gate blind to its runs that draft nothing (draft_model.WEIGH_HITS); `--aa-arm`: a second plain arm,
+arm, the draft model's gate blind to its runs that draft nothing (draft_model.WEIGH_HITS); `--whole-catch-up-arm`:
+a third arm, the ledger charging a draft model's catch-up whole (sequential.SPREAD_CATCH_UP); `--same-state`: every
+arm of a case starts from the drafters' learned state as the case began; `--aa-arm`: a second plain arm,
 timed against the first, to show the timing noise). Each case also splits the default's ratio:
 `curve_ratio` (its verifications as the cost curve predicts them, what the gate and the loss bound
 see), `verify_ratio` (the verifications as timed) and `other_share` (the rest of its time: drafting,
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import fcntl
 import json
 import math
@@ -67,6 +70,17 @@ def cases(prompts_file: str | None, code: bool = False) -> list[tuple[str, str, 
                 out.append((d["id"], grp, turns))
     out += [(i, "revision", [a, b]) for i, a, b in REVISIONS]
     return out
+
+
+def _snapshot(engine: Engine) -> dict:
+    """The drafters' learned state on the engine (side contexts holding plain values)."""
+    return {k: copy.deepcopy(v.value) for k, v in engine.side.items() if k != "history" and hasattr(v, "value")}
+
+
+def _restore(engine: Engine, snap: dict) -> None:
+    for k, v in snap.items():
+        if k in engine.side:
+            engine.side[k].value = copy.deepcopy(v)
 
 
 def run(engine: Engine, method: str, turns: list[str], n: int, history: bool) -> tuple[list[int], float, dict]:
@@ -138,6 +152,12 @@ def main() -> None:
     ap.add_argument("--unweighed-arm", action="store_true",
                     help="a third arm: the default with the draft model's gate blind to the share of its runs that "
                          "drafted (draft_model.WEIGH_HITS False); reported in the no_ledger_* fields")
+    ap.add_argument("--whole-catch-up-arm", action="store_true",
+                    help="a third arm: the default with the ledger charging a draft model's catch-up whole "
+                         "(sequential.SPREAD_CATCH_UP False); reported in the no_ledger_* fields")
+    ap.add_argument("--same-state", action="store_true",
+                    help="each arm of a case starts from the drafters' learned state (calibrations, the draft "
+                         "model's state, auto's gates) as the case began, not from what the arm before it left")
     ap.add_argument("--no-ledger-arm", action="store_true",
                     help="a third arm: the default without its per-reply loss bound (costmodel.LOSS_SHARE infinite)")
     ap.add_argument("--aa-arm", action="store_true",
@@ -171,6 +191,7 @@ def main() -> None:
             todo = [c for c in todo if c[0] in keep or c[1] in keep]
         for cid, grp, turns in todo:
             ratios, same, info, extra, parts = [], True, {}, {}, []
+            snap = _snapshot(engine) if a.same_state else None
             with _locked(a.lock):
                 for i in range(a.repeats):
                     if a.aa_arm and i % 2:  # the second plain run first every other repeat
@@ -182,8 +203,10 @@ def main() -> None:
                         same &= plain == plain2
                         extra.setdefault("aa_ratios", []).append(round(r02 / r0 if r0 else float("nan"), 3))
                     # with the third arm, the two `auto` arms swap places every other repeat
-                    third = a.no_ledger_arm or a.uncharged_arm or a.unweighed_arm
+                    third = a.no_ledger_arm or a.uncharged_arm or a.unweighed_arm or a.whole_catch_up_arm
                     for arm in (("auto", "third") if i % 2 == 0 or not third else ("third", "auto")):
+                        if snap is not None:
+                            _restore(engine, snap)
                         if arm == "auto":
                             spec, r1, info = run(engine, "auto", turns, a.n, True)
                             same &= plain == spec
@@ -194,14 +217,17 @@ def main() -> None:
                                 costmodel.LOSS_SHARE = math.inf
                             elif a.uncharged_arm:
                                 sequential.CHARGE_DRAFTING = False
-                            else:
+                            elif a.unweighed_arm:
                                 draft_model.WEIGH_HITS = False
+                            else:
+                                sequential.SPREAD_CATCH_UP = False
                             try:
                                 spec2, r2, info2 = run(engine, "auto", turns, a.n, True)
                             finally:
                                 costmodel.LOSS_SHARE = share
                                 sequential.CHARGE_DRAFTING = True
                                 draft_model.WEIGH_HITS = True
+                                sequential.SPREAD_CATCH_UP = True
                             same &= plain == spec2
                             extra.setdefault("no_ledger_ratios", []).append(round(r2 / r0 if r0 else float("nan"), 3))
                             extra["no_ledger_by_source"] = info2["by_source"]
@@ -240,7 +266,7 @@ def main() -> None:
         if all("no_ledger_ratio" in r for r in rs):
             g2 = math.exp(statistics.mean(math.log(r["no_ledger_ratio"]) for r in rs))
             low2 = min(rs, key=lambda r: r["no_ledger_ratio"])
-            print(f"| {grp}, {'drafting uncharged' if a.uncharged_arm else 'runs that draft nothing unweighed' if a.unweighed_arm else 'no ledger'} | {len(rs)} | {g2:.2f}x | {low2['no_ledger_ratio']:.2f}x ({low2['id']}) | |")
+            print(f"| {grp}, {'drafting uncharged' if a.uncharged_arm else 'runs that draft nothing unweighed' if a.unweighed_arm else 'catch-ups charged whole' if a.whole_catch_up_arm else 'no ledger'} | {len(rs)} | {g2:.2f}x | {low2['no_ledger_ratio']:.2f}x ({low2['id']}) | |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

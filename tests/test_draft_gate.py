@@ -199,3 +199,52 @@ def test_runs_that_draft_nothing_are_weighed_before_the_draft_model_runs(pair, m
         pair.cfg = cfg
     assert runs[False] >= len(plain) - 4, runs
     assert runs[True] <= runs[False] / 2, runs
+
+
+def test_a_catch_up_is_charged_as_its_gate_spreads_it(smol, monkeypatch):
+    """The part of a step's drafting time a drafter declares as serving later steps too
+    (`Draft.spread`: a draft model's catch-up, less the share its gate weighs on this step) is
+    not charged to the reply's loss bound now; charged whole (SPREAD_CATCH_UP off) it is. A
+    drafter charged as the draft model that says a draft costs a tenth of a step and takes a whole
+    one, all of it declared spread, every draft wrong, rows free: it drafts on nearly every step;
+    charged whole, only while the reply carries the loss. Output identical to plain either way."""
+    import time
+
+    from edgespec.costmodel import LOSS_SHARE
+    from edgespec.draft import Draft
+    from edgespec.drafters.base import Candidates, NullDrafter
+    from edgespec.schedulers import sequential
+
+    toks = smol.prompt_tokens(PROMPTS[1])
+    n = 48
+    ref = smol.generate(toks, n, GREEDY).run()
+    step = 0.01
+
+    class CatchingUp(NullDrafter):
+        name = "slow"
+
+        def propose(self, context, budget):
+            i = len(context) - len(toks)
+            bad = (ref.tokens[i] + 1) % 1000 if i < len(ref.tokens) else 5
+
+            def take(k):
+                t0 = time.perf_counter()
+                time.sleep(step)  # a catch-up of a whole step, declared as serving later steps
+                d = Draft.chain([bad] * k)
+                d.spread = time.perf_counter() - t0
+                return d
+            return Candidates([0.5], take, per_node=0.1 * step)
+
+    monkeypatch.setattr(sequential, "CHARGED_SOURCES", sequential.CHARGED_SOURCES | {"slow"})
+    saved = smol.cost
+    smol.cost = CostModel(KS, tuple(step for _ in KS), online=False, max_exact_rows=saved.max_exact_rows)
+    try:
+        spread = smol.generate(toks, n, GREEDY, CatchingUp()).run()
+        monkeypatch.setattr(sequential, "SPREAD_CATCH_UP", False)
+        whole = smol.generate(toks, n, GREEDY, CatchingUp()).run()
+    finally:
+        smol.cost = saved
+    for g in (spread, whole):
+        assert list(g.tokens) == list(ref.tokens) and g.stats.n_accept == 0
+    assert spread.stats.n_draft_steps >= len(spread.tokens) - 4, spread.stats.n_draft_steps
+    assert 0 < whole.stats.n_draft_steps <= LOSS_SHARE * len(whole.tokens) + 3, whole.stats.n_draft_steps

@@ -222,7 +222,10 @@ class DraftModelDrafter(TokenTimed):
             st.hit += HIT_RATE * ((1.0 if tokens else 0.0) - st.hit)
         if len(tokens) < max(1, self.n_min):
             return Draft()
-        return Draft.chain(tokens, probs or None, self.name, est)
+        d = Draft.chain(tokens, probs or None, self.name, est)
+        if n_new > 2:  # a catch-up: charged to this step as the gate weighed it, a share
+            d.spread = dt * (1.0 - 1.0 / CATCH_UP_STEPS)
+        return d
 
     def end(self) -> None:
         pass

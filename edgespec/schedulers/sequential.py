@@ -27,6 +27,12 @@ from ..verify import verify_step
 # 1.5B step), and charging their measured time would make their sizes depend on timing noise.
 CHARGE_DRAFTING = True
 CHARGED_SOURCES = frozenset({"draft"})
+# A draft model's catch-up (reading what was committed since it last ran: the whole prompt, the
+# first time in a reply) serves the steps after it too; its gate weighs it as spread over them
+# (draft_model.CATCH_UP_STEPS), and so does the ledger (`Draft.spread`). Charged whole, one early
+# catch-up put a chat reply so far behind that lookahead's bets stopped for the rest of it (5
+# drafting steps instead of 48; docs/laptop.md). False: charged whole.
+SPREAD_CATCH_UP = True
 
 
 @dataclass
@@ -117,7 +123,8 @@ class Generation(Lifecycle):
                     ledger += len(committed) - 1 - cost.step_loss(budget.fixed_rows + len(draft), budget.fixed_rows,
                                                                   n_before)
                     if CHARGE_DRAFTING and (draft.source or self.drafter.name) in CHARGED_SOURCES:
-                        ledger -= t_draft / cost.t(budget.fixed_rows, n_before)
+                        spent = t_draft - draft.spread if SPREAD_CATCH_UP else t_draft
+                        ledger -= max(0.0, spent) / cost.t(budget.fixed_rows, n_before)
                 accept(draft, accepted, committed)
         except GeneratorExit:  # stopped by the reader: the cache is consistent
             raise
