@@ -72,6 +72,18 @@ def cases(prompts_file: str | None, code: bool = False) -> list[tuple[str, str, 
     return out
 
 
+# The third arms: the default with one of its switches set otherwise (module, name, value, the
+# summary's label, what it means).
+THIRD_ARMS = {
+    "no-ledger": (costmodel, "LOSS_SHARE", math.inf, "no ledger", "no per-reply loss bound"),
+    "uncharged": (sequential, "CHARGE_DRAFTING", False, "drafting uncharged", "its ledger blind to drafting time"),
+    "unweighed": (draft_model, "WEIGH_HITS", False, "runs that draft nothing unweighed",
+                  "the draft model's gate blind to the share of its runs that drafted"),
+    "whole-catch-up": (sequential, "SPREAD_CATCH_UP", False, "catch-ups charged whole",
+                       "the ledger charging a draft model's catch-up whole"),
+}
+
+
 def _snapshot(engine: Engine) -> dict:
     """The drafters' learned state on the engine (side contexts holding plain values)."""
     return {k: copy.deepcopy(v.value) for k, v in engine.side.items() if k != "history" and hasattr(v, "value")}
@@ -146,25 +158,19 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated case ids or groups (`code`: the code edits, not run otherwise)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--lock", default=None, metavar="FILE", help="hold this lock (flock) during each case")
-    ap.add_argument("--uncharged-arm", action="store_true",
-                    help="a third arm: the default with its ledger blind to drafting time (sequential.CHARGE_DRAFTING "
-                         "False); reported in the no_ledger_* fields")
-    ap.add_argument("--unweighed-arm", action="store_true",
-                    help="a third arm: the default with the draft model's gate blind to the share of its runs that "
-                         "drafted (draft_model.WEIGH_HITS False); reported in the no_ledger_* fields")
-    ap.add_argument("--whole-catch-up-arm", action="store_true",
-                    help="a third arm: the default with the ledger charging a draft model's catch-up whole "
-                         "(sequential.SPREAD_CATCH_UP False); reported in the no_ledger_* fields")
+    for name, (mod, attr, value, _, what) in THIRD_ARMS.items():
+        ap.add_argument(f"--{name}-arm", action="store_true",
+                        help=f"a third arm: the default with {what} ({mod.__name__.split('.')[-1]}.{attr} {value}); "
+                             "reported in the no_ledger_* fields")
     ap.add_argument("--same-state", action="store_true",
                     help="each arm of a case starts from the drafters' learned state (calibrations, the draft "
                          "model's state, auto's gates) as the case began, not from what the arm before it left")
-    ap.add_argument("--no-ledger-arm", action="store_true",
-                    help="a third arm: the default without its per-reply loss bound (costmodel.LOSS_SHARE infinite)")
     ap.add_argument("--aa-arm", action="store_true",
                     help="a plain arm timed against the plain arm (A/A): how far the figure moves with nothing changed")
     ap.add_argument("--loss-share", type=float, default=None,
                     help="the default arm's costmodel.LOSS_SHARE (default: the module's)")
     a = ap.parse_args()
+    third = next((THIRD_ARMS[n] for n in THIRD_ARMS if getattr(a, n.replace("-", "_") + "_arm")), None)
     if a.loss_share is not None:
         costmodel.LOSS_SHARE = a.loss_share
     draft = a.draft
@@ -173,7 +179,6 @@ def main() -> None:
 
         pair = CATALOG.get(a.model)
         draft = pair.draft if pair is not None and pair.draft and is_cached(pair.draft) else None
-    share = costmodel.LOSS_SHARE
     hist = Path(tempfile.mkdtemp(prefix="conv-bench-")) / "history.npz"
     engine = Engine(EngineConfig(model=a.model, draft=draft, threads=a.threads, n_ctx=4096, history=str(hist)))
     rows = []
@@ -203,7 +208,6 @@ def main() -> None:
                         same &= plain == plain2
                         extra.setdefault("aa_ratios", []).append(round(r02 / r0 if r0 else float("nan"), 3))
                     # with the third arm, the two `auto` arms swap places every other repeat
-                    third = a.no_ledger_arm or a.uncharged_arm or a.unweighed_arm or a.whole_catch_up_arm
                     for arm in (("auto", "third") if i % 2 == 0 or not third else ("third", "auto")):
                         if snap is not None:
                             _restore(engine, snap)
@@ -213,21 +217,13 @@ def main() -> None:
                             ratios.append(r1 / r0 if r0 else float("nan"))
                             parts.append(split(info0, info))
                         elif third:
-                            if a.no_ledger_arm:
-                                costmodel.LOSS_SHARE = math.inf
-                            elif a.uncharged_arm:
-                                sequential.CHARGE_DRAFTING = False
-                            elif a.unweighed_arm:
-                                draft_model.WEIGH_HITS = False
-                            else:
-                                sequential.SPREAD_CATCH_UP = False
+                            mod, attr, value = third[:3]
+                            kept = getattr(mod, attr)
+                            setattr(mod, attr, value)
                             try:
                                 spec2, r2, info2 = run(engine, "auto", turns, a.n, True)
                             finally:
-                                costmodel.LOSS_SHARE = share
-                                sequential.CHARGE_DRAFTING = True
-                                draft_model.WEIGH_HITS = True
-                                sequential.SPREAD_CATCH_UP = True
+                                setattr(mod, attr, kept)
                             same &= plain == spec2
                             extra.setdefault("no_ledger_ratios", []).append(round(r2 / r0 if r0 else float("nan"), 3))
                             extra["no_ledger_by_source"] = info2["by_source"]
@@ -266,7 +262,7 @@ def main() -> None:
         if all("no_ledger_ratio" in r for r in rs):
             g2 = math.exp(statistics.mean(math.log(r["no_ledger_ratio"]) for r in rs))
             low2 = min(rs, key=lambda r: r["no_ledger_ratio"])
-            print(f"| {grp}, {'drafting uncharged' if a.uncharged_arm else 'runs that draft nothing unweighed' if a.unweighed_arm else 'catch-ups charged whole' if a.whole_catch_up_arm else 'no ledger'} | {len(rs)} | {g2:.2f}x | {low2['no_ledger_ratio']:.2f}x ({low2['id']}) | |")
+            print(f"| {grp}, {third[3]} | {len(rs)} | {g2:.2f}x | {low2['no_ledger_ratio']:.2f}x ({low2['id']}) | |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

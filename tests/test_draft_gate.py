@@ -113,22 +113,20 @@ def test_drafts_never_kept_cost_a_reply_at_most_its_loss_share(smol):
     assert 0 < g.stats.n_drafted <= LOSS_SHARE * len(g.tokens) / 0.12 + 2, g.stats.n_drafted
 
 
-def test_drafting_time_counts_against_a_replys_loss_share(smol, monkeypatch):
-    """The loss bound charges what a draft model's drafting took, as measured: a drafter charged as
-    one that says a draft costs a tenth of a step but takes a whole one (a draft model's catch-up
-    weighed as spread over later steps it did not draft), every draft wrong, on a flat curve (rows free): with its time charged
-    it drafts only while the reply carries the loss; blind to it (as before), on every step.
-    Output identical to plain either way."""
+def _slow_and_wrong(smol, monkeypatch, prompt, spread: bool, **flags):
+    """Plain decoding's tokens, then two generations with a drafter charged as the draft model is
+    (`CHARGED_SOURCES`) that says a draft costs a tenth of a step and takes a whole one, every
+    draft wrong, on a flat curve (rows free): one as the scheduler stands, one with `flags`
+    (sequential's switches) set. `spread`: the whole step declared as serving later steps
+    (`Draft.spread`, a draft model's catch-up)."""
     import time
 
-    from edgespec.costmodel import LOSS_SHARE
     from edgespec.draft import Draft
     from edgespec.drafters.base import Candidates, NullDrafter
     from edgespec.schedulers import sequential
 
-    toks = smol.prompt_tokens(PROMPTS[0])
-    n = 48
-    ref = smol.generate(toks, n, GREEDY).run()
+    toks = smol.prompt_tokens(prompt)
+    ref = smol.generate(toks, 48, GREEDY).run()
     step = 0.01
 
     class Slow(NullDrafter):
@@ -139,8 +137,12 @@ def test_drafting_time_counts_against_a_replys_loss_share(smol, monkeypatch):
             bad = (ref.tokens[i] + 1) % 1000 if i < len(ref.tokens) else 5
 
             def take(k):
+                t0 = time.perf_counter()
                 time.sleep(step)  # a whole step's drafting, declared as a tenth
-                return Draft.chain([bad] * k)
+                d = Draft.chain([bad] * k)
+                if spread:
+                    d.spread = time.perf_counter() - t0
+                return d
             return Candidates([0.5], take, per_node=0.1 * step)
 
     assert "draft" in sequential.CHARGED_SOURCES  # the draft model's time is charged
@@ -148,16 +150,27 @@ def test_drafting_time_counts_against_a_replys_loss_share(smol, monkeypatch):
     saved = smol.cost
     smol.cost = CostModel(KS, tuple(step for _ in KS), online=False, max_exact_rows=saved.max_exact_rows)
     try:
-        charged = smol.generate(toks, n, GREEDY, Slow()).run()
-        sequential.CHARGE_DRAFTING = False
-        try:
-            blind = smol.generate(toks, n, GREEDY, Slow()).run()
-        finally:
-            sequential.CHARGE_DRAFTING = True
+        as_is = smol.generate(toks, 48, GREEDY, Slow()).run()
+        with monkeypatch.context() as m:
+            for name, value in flags.items():
+                m.setattr(sequential, name, value)
+            other = smol.generate(toks, 48, GREEDY, Slow()).run()
     finally:
         smol.cost = saved
-    for g in (charged, blind):
+    for g in (as_is, other):
         assert list(g.tokens) == list(ref.tokens) and g.stats.n_accept == 0
+    return as_is, other
+
+
+def test_drafting_time_counts_against_a_replys_loss_share(smol, monkeypatch):
+    """The loss bound charges what a draft model's drafting took, as measured: a drafter charged as
+    one that says a draft costs a tenth of a step but takes a whole one (a draft model's decodes),
+    every draft wrong, on a flat curve (rows free): with its time charged it drafts only while the
+    reply carries the loss; blind to it (as before), on every step. Output identical to plain
+    either way."""
+    from edgespec.costmodel import LOSS_SHARE
+
+    charged, blind = _slow_and_wrong(smol, monkeypatch, PROMPTS[0], False, CHARGE_DRAFTING=False)
     assert blind.stats.n_draft_steps >= len(blind.tokens) - 4, blind.stats.n_draft_steps
     assert 0 < charged.stats.n_draft_steps <= LOSS_SHARE * len(charged.tokens) + 3, charged.stats.n_draft_steps
 
@@ -204,47 +217,11 @@ def test_runs_that_draft_nothing_are_weighed_before_the_draft_model_runs(pair, m
 def test_a_catch_up_is_charged_as_its_gate_spreads_it(smol, monkeypatch):
     """The part of a step's drafting time a drafter declares as serving later steps too
     (`Draft.spread`: a draft model's catch-up, less the share its gate weighs on this step) is
-    not charged to the reply's loss bound now; charged whole (SPREAD_CATCH_UP off) it is. A
-    drafter charged as the draft model that says a draft costs a tenth of a step and takes a whole
-    one, all of it declared spread, every draft wrong, rows free: it drafts on nearly every step;
-    charged whole, only while the reply carries the loss. Output identical to plain either way."""
-    import time
-
+    not charged to the reply's loss bound now; charged whole (SPREAD_CATCH_UP off) it is. The
+    drafter above with its whole step declared spread: it drafts on nearly every step; charged
+    whole, only while the reply carries the loss. Output identical to plain either way."""
     from edgespec.costmodel import LOSS_SHARE
-    from edgespec.draft import Draft
-    from edgespec.drafters.base import Candidates, NullDrafter
-    from edgespec.schedulers import sequential
 
-    toks = smol.prompt_tokens(PROMPTS[1])
-    n = 48
-    ref = smol.generate(toks, n, GREEDY).run()
-    step = 0.01
-
-    class CatchingUp(NullDrafter):
-        name = "slow"
-
-        def propose(self, context, budget):
-            i = len(context) - len(toks)
-            bad = (ref.tokens[i] + 1) % 1000 if i < len(ref.tokens) else 5
-
-            def take(k):
-                t0 = time.perf_counter()
-                time.sleep(step)  # a catch-up of a whole step, declared as serving later steps
-                d = Draft.chain([bad] * k)
-                d.spread = time.perf_counter() - t0
-                return d
-            return Candidates([0.5], take, per_node=0.1 * step)
-
-    monkeypatch.setattr(sequential, "CHARGED_SOURCES", sequential.CHARGED_SOURCES | {"slow"})
-    saved = smol.cost
-    smol.cost = CostModel(KS, tuple(step for _ in KS), online=False, max_exact_rows=saved.max_exact_rows)
-    try:
-        spread = smol.generate(toks, n, GREEDY, CatchingUp()).run()
-        monkeypatch.setattr(sequential, "SPREAD_CATCH_UP", False)
-        whole = smol.generate(toks, n, GREEDY, CatchingUp()).run()
-    finally:
-        smol.cost = saved
-    for g in (spread, whole):
-        assert list(g.tokens) == list(ref.tokens) and g.stats.n_accept == 0
+    spread, whole = _slow_and_wrong(smol, monkeypatch, PROMPTS[1], True, SPREAD_CATCH_UP=False)
     assert spread.stats.n_draft_steps >= len(spread.tokens) - 4, spread.stats.n_draft_steps
     assert 0 < whole.stats.n_draft_steps <= LOSS_SHARE * len(whole.tokens) + 3, whole.stats.n_draft_steps

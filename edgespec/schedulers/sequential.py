@@ -73,12 +73,13 @@ class Generation(Lifecycle):
             propose, accept = self.drafter.propose, self.drafter.accept
             # against plain decoding, in plain steps: tokens committed less the steps their rows
             # cost (predicted by the curve) and the drafting time of the steps a draft model
-            # drafted (as measured: its catch-up on what others drafted and its decodes, which
-            # the curve does not see), so that bets that did not pay cannot put a reply more than
-            # LOSS_SHARE behind plain (see CostModel.best_size). A 1.5B chat reply lost 15% of its
-            # time to a 0.5B draft model's catch-ups and decodes for 13 kept tokens while its
-            # verifications alone ran 1.13x plain (docs/laptop.md); `auto`'s gates, which also
-            # measure it, judge a member over 24 askings and across replies, too late for one.
+            # drafted (as measured: its decodes, and its catch-up on what others drafted as its
+            # gate spreads it, SPREAD_CATCH_UP; the curve sees neither), so that bets that did not
+            # pay cannot put a reply more than LOSS_SHARE behind plain (see CostModel.best_size).
+            # A 1.5B chat reply lost 15% of its time to a 0.5B draft model's catch-ups and decodes
+            # for 13 kept tokens while its verifications alone ran 1.13x plain (docs/laptop.md);
+            # `auto`'s gates, which also measure it, judge a member over 24 askings and across
+            # replies, too late for one.
             ledger, n_tokens = 0.0, 1
             while True:
                 ev, done = self._commit(step_no, draft, accepted, committed, t_draft, t_verify,
